@@ -1,0 +1,180 @@
+"""Capture: nn.Module + example input shapes → annotated fx GraphModule, grouped into layers.
+
+    captured = autopar.capture(model, batch=1, seq=2048)
+    captured.gm                 # fx.GraphModule of ATen ops, runs on the model's weights
+    captured.layers             # embed, one per block, head — with FLOPs/params/saved bytes
+    captured.layer_types()      # identical blocks share a type
+
+Every node carries ``node.meta["autopar.<key>"]``: ``shape``, ``dtype``,
+``fwd_flops``, ``bwd_flops``, ``param_bytes``, ``saved_bytes``, ``module``
+(owning module FQN), ``layer`` (index into ``layers``) and ``layer_type``.
+Works on meta-device models (nothing is allocated, even at 1T parameters).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from autopar.capture.annotate import annotate_costs
+from autopar.capture.layers import Layer, find_layer_container, group_layers
+from autopar.capture.trace import (
+    MIN_BLOCKS_TO_DEDUPE,
+    NotPeriodic,
+    _ConstantHolder,
+    expand_repeated,
+    export_graph,
+    find_repeated_blocks,
+    truncated,
+)
+from autopar.errors import AutoparError, CaptureError
+
+TRACED_BLOCKS = 3
+"""Blocks traced when a model's blocks are identical (the rest are spliced copies)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerType:
+    """Identical layers, summarised once."""
+
+    name: str
+    """Type name (``embed``, ``head``, or the block class, e.g. ``Block``)."""
+    count: int
+    """How many layers have this type."""
+    layers: tuple[str, ...]
+    """Their names, in order."""
+    params: int
+    """Parameters of one layer."""
+    fwd_flops: int
+    """Forward FLOPs of one layer."""
+    bwd_flops: int
+    """Backward FLOPs of one layer."""
+    saved_bytes: int
+    """Activation bytes one layer saves for backward."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapturedModel:
+    """The result of ``capture``: an annotated graph and its layers."""
+
+    gm: fx.GraphModule
+    """ATen-level graph; parameters are get_attr nodes naming the model's FQNs."""
+    layers: tuple[Layer, ...]
+    """embed, blocks in order, head."""
+    batch: int
+    """Batch size of the example inputs."""
+    seq: int
+    """Sequence length of the example inputs."""
+    total_params: int
+    """Unique parameters of the model (tied weights once)."""
+    traced_blocks: int
+    """Blocks traced op by op; the others were spliced copies of an identical block."""
+    capture_s: float = field(default=0.0, compare=False)
+    """Wall time of the capture in seconds."""
+
+    @property
+    def fwd_flops(self) -> int:
+        """Forward FLOPs of one step (sum over layers)."""
+        return sum(layer.fwd_flops for layer in self.layers)
+
+    @property
+    def step_flops(self) -> int:
+        """Model FLOPs of one training step: forward + backward, no recomputation."""
+        return sum(layer.fwd_flops + layer.bwd_flops for layer in self.layers)
+
+    def layer_types(self) -> dict[str, LayerType]:
+        """Layer types in order of first appearance."""
+        groups: dict[str, list[Layer]] = {}
+        for layer in self.layers:
+            groups.setdefault(layer.type, []).append(layer)
+        out = {}
+        for name, members in groups.items():
+            first = members[0]
+            for other in members[1:]:
+                assert (other.fwd_flops, other.params) == (first.fwd_flops, first.params), name
+            out[name] = LayerType(
+                name=name,
+                count=len(members),
+                layers=tuple(m.name for m in members),
+                params=first.params,
+                fwd_flops=first.fwd_flops,
+                bwd_flops=first.bwd_flops,
+                saved_bytes=first.saved_bytes,
+            )
+        return out
+
+
+def example_inputs(
+    model: nn.Module, batch: int, seq: int
+) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+    """Token ids (batch, seq) on the model's device; ``use_cache=False`` where accepted."""
+    if batch < 1 or seq < 1:
+        raise AutoparError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    kwargs: dict[str, Any] = {}
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return (ids,), kwargs
+
+
+def capture(
+    model: nn.Module,
+    *,
+    batch: int = 1,
+    seq: int = 1024,
+    args: tuple[Any, ...] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+) -> CapturedModel:
+    """Capture ``model`` into an annotated graph for inputs of shape (batch, seq).
+
+    ``args``/``kwargs`` replace the default token-id input for models that take
+    something else (their shapes are used; ``batch``/``seq`` then only label).
+    Raises ``CaptureError`` naming the module and line when tracing fails.
+    """
+    start = time.perf_counter()
+    if args is None:
+        args, default_kwargs = example_inputs(model, batch, seq)
+        kwargs = {**default_kwargs, **(kwargs or {})}
+    kwargs = dict(kwargs or {})
+    gm: fx.GraphModule | None = None
+    traced = 0
+    rb = find_repeated_blocks(model)
+    if rb is not None and rb.count >= MIN_BLOCKS_TO_DEDUPE:
+        try:
+            with truncated(rb, TRACED_BLOCKS):
+                small = export_graph(model, args, kwargs)
+            annotate_costs(small)
+            constants = {
+                str(n.target): getattr(small, str(n.target))
+                for n in small.graph.nodes
+                if n.op == "get_attr" and str(n.target).startswith("_autopar_const_")
+            }
+            gm = expand_repeated(small, rb, _ConstantHolder(model, constants))
+            traced = TRACED_BLOCKS
+        except (NotPeriodic, CaptureError):
+            gm = None  # trace the whole model: it reports its own error if it fails too
+    if gm is None:
+        gm = annotate_costs(export_graph(model, args, kwargs))
+        traced = rb.count if rb is not None else 0
+    layers = group_layers(gm, rb.fqn if rb is not None else find_layer_container(model))
+    return CapturedModel(
+        gm=gm,
+        layers=layers,
+        batch=batch,
+        seq=seq,
+        total_params=sum(p.numel() for p in model.parameters()),
+        traced_blocks=traced,
+        capture_s=time.perf_counter() - start,
+    )
+
+
+__all__ = ["CaptureError", "CapturedModel", "Layer", "LayerType", "capture", "example_inputs"]

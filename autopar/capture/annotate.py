@@ -1,0 +1,181 @@
+"""Annotate every node with shape, dtype, FLOPs, parameter bytes and bytes saved for backward.
+
+``annotate_costs(gm, inputs)`` runs the graph once on fake CPU tensors (no
+memory, no compute) with parameters that require grad, and records per node:
+
+- ``autopar.shape`` / ``autopar.dtype``: the output's shape and dtype (the
+  first tensor output for multi-output nodes).
+- ``autopar.fwd_flops``: FLOPs of the ATen kernels the node dispatches to,
+  counted with PyTorch's own formula table (``torch.utils.flop_counter``);
+  composite ops such as ``linear`` are counted through their decomposition.
+- ``autopar.bwd_flops``: model-FLOPs convention (Narayanan et al. SC'21,
+  §5.1 and Eq. 3): the backward of a contraction computes one product of the
+  same size per operand that needs a gradient — input-grad and weight-grad —
+  so bwd = fwd × min(2, operands requiring grad). Flash attention's
+  recomputation of QKᵀ in backward is hardware FLOPs and is not counted here.
+- ``autopar.param_bytes``: bytes of the parameter a ``get_attr`` node reads
+  (0 for buffers and other nodes; a tied weight counts once).
+- ``autopar.saved_bytes``: bytes of activation storage that the node's
+  autograd formulas save for backward, measured with
+  ``torch.autograd.graph.saved_tensors_hooks``. A storage is counted once,
+  by the first node that saves it; parameters are not activations. The
+  attention kernel is the one PyTorch picks for CPU tensors (flash attention:
+  q, k, v, output and log-sum-exp), which is also what GPU training keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+_aten = torch.ops.aten
+
+# PyTorch's table has the GPU attention kernels; the CPU flash kernel does the same math.
+_EXTRA_FLOPS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(
+        q.shape, k.shape, v.shape
+    ),
+}
+
+
+class _FlopCounter(TorchDispatchMode):
+    """Adds the FLOPs of every dispatched ATen op to ``self.flops``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif packet in _EXTRA_FLOPS:
+            self.flops += int(_EXTRA_FLOPS[packet](*args, **kwargs))
+        return out
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    leaves, _ = tree_flatten(x)
+    return (leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+class _CostInterpreter(fx.Interpreter):
+    """Runs the graph on fake tensors and fills ``node.meta['autopar.*']``."""
+
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.mode = mode
+        self.fakes: dict[int, torch.Tensor] = {}  # id(real attr) → fake (tied weights share)
+        self.param_storages: set[int] = set()
+        self.seen_storages: set[int] = set()
+        self.keep: list[torch.Tensor] = []  # saved tensors stay alive until we are done
+        self.node_saved = 0
+        self.counter = _FlopCounter()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self.param_storages and key not in self.seen_storages:
+            self.seen_storages.add(key)
+            self.node_saved += t.untyped_storage().nbytes()
+        self.keep.append(t)
+        return t
+
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        real = self.fetch_attr(str(target))
+        if not isinstance(real, torch.Tensor):
+            return real
+        if id(real) not in self.fakes:
+            with self.mode:
+                fake = torch.empty_strided(
+                    real.shape, real.stride(), dtype=real.dtype, device="cpu"
+                )
+            if isinstance(real, nn.Parameter) and real.requires_grad:
+                fake.requires_grad_(True)
+                self.param_storages.add(_storage_key(fake))
+            self.fakes[id(real)] = fake
+        return self.fakes[id(real)]
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # A meta-device model traces ops with device=meta; we run them on fake CPU tensors.
+        args, kwargs = tree_map(_cpu_device, (args, kwargs))
+        return super().call_function(target, args, kwargs)
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.node_saved = 0
+        before = self.counter.flops
+        with self.mode, self.counter, torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            out = super().run_node(n)
+        fwd = self.counter.flops - before
+        # operands that need a gradient (checked only where there is a contraction)
+        grad_operands = (
+            sum(1 for a in n.all_input_nodes if _requires_grad(self.env.get(a))) if fwd else 0
+        )
+        first = next(_tensors(out), None)
+        is_param = n.op == "get_attr" and isinstance(self.fetch_attr(str(n.target)), nn.Parameter)
+        n.meta["autopar.shape"] = tuple(first.shape) if first is not None else ()
+        n.meta["autopar.dtype"] = (
+            str(first.dtype).removeprefix("torch.") if first is not None else ""
+        )
+        n.meta["autopar.fwd_flops"] = fwd
+        n.meta["autopar.bwd_flops"] = fwd * min(2, grad_operands)
+        n.meta["autopar.saved_bytes"] = self.node_saved
+        n.meta["autopar.param_bytes"] = _param_bytes(first) if is_param else 0
+        return out
+
+
+def _cpu_device(x: Any) -> Any:
+    return _CPU if isinstance(x, torch.device) and x.type == "meta" else x
+
+
+_CPU = torch.device("cpu")
+
+
+def _requires_grad(x: Any) -> bool:
+    return any(t.requires_grad for t in _tensors(x))
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _param_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
+    """Fill the cost annotations of every node of ``gm`` (see module doc); returns ``gm``.
+
+    Placeholder shapes and dtypes come from their ``meta["val"]`` (set by export).
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    specs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    with mode:
+        args = [
+            torch.zeros(v.shape, dtype=v.dtype, device="cpu") if isinstance(v, torch.Tensor) else v
+            for v in specs
+        ]
+    interp = _CostInterpreter(gm, mode)
+    seen_params: set[int] = set()
+    interp.run(*args)
+    # A tied weight is read by two get_attr nodes: count its bytes once.
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.meta.get("autopar.param_bytes"):
+            key = id(interp.fetch_attr(str(n.target)))
+            if key in seen_params:
+                n.meta["autopar.param_bytes"] = 0
+            seen_params.add(key)
+    return gm

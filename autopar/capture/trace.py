@@ -1,0 +1,355 @@
+"""Trace a model into a plain fx GraphModule of ATen ops with ``torch.export`` (non-strict).
+
+Parameters and buffers become ``get_attr`` nodes that name the original
+model's FQNs, so the GraphModule runs on the model's own weights and every
+node keeps ``nn_module_stack`` (the owning module path).
+
+A 96-layer model takes ~10 s to trace op by op. Most models repeat one block
+many times, so when a model has a ModuleList of structurally identical blocks
+(same classes, parameter shapes and plain attributes) we trace it with only
+its first three blocks and splice copies of the middle block in for the rest
+(``expand_repeated``): blocks 0 and 1 as traced, copies of block 1 for blocks
+2..L-2, block 2's nodes (with whatever follows the last block) as block L-1.
+If the traced graph does not have that periodic shape — e.g. a layer reads
+the output of a layer two back — we fall back to tracing the whole model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from autopar.errors import CaptureError
+
+MIN_BLOCKS_TO_DEDUPE = 5
+"""Below this many blocks the whole model is traced (splicing saves little)."""
+
+
+@dataclass(frozen=True)
+class RepeatedBlocks:
+    """A ModuleList of identical blocks: ``parent.<attr>`` reachable as ``fqn``."""
+
+    fqn: str
+    parent: nn.Module
+    attr: str
+    count: int
+
+
+def export_graph(
+    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> fx.GraphModule:
+    """Export ``model(*args, **kwargs)`` and convert it to a GraphModule rooted at ``model``.
+
+    Raises ``CaptureError`` naming the module and source line when tracing fails.
+    """
+    try:
+        ep = torch.export.export(model, args, dict(kwargs), strict=False)
+    except Exception as e:
+        raise capture_error(model, e) from e
+    return _to_graph_module(model, ep)
+
+
+def _to_graph_module(model: nn.Module, ep: ExportedProgram) -> fx.GraphModule:
+    """Replace lifted parameter/buffer placeholders with get_attr nodes on ``model``."""
+    sig = ep.graph_signature
+    lifted: dict[str, str] = {}
+    constants: dict[str, Any] = {}
+    for spec in sig.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            assert spec.target is not None
+            lifted[spec.arg.name] = spec.target
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            assert spec.target is not None
+            name = "_autopar_const_" + re.sub(r"\W", "_", spec.target)
+            lifted[spec.arg.name] = name
+            constants[name] = ep.constants[spec.target]
+    user_outputs = [
+        i for i, spec in enumerate(sig.output_specs) if spec.kind == OutputKind.USER_OUTPUT
+    ]
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and node.name in lifted:
+            new = graph.get_attr(lifted[node.name])
+            new.meta = dict(node.meta)
+        elif node.op == "output":
+            outs = node.args[0]
+            picked = [
+                env[outs[i]] if isinstance(outs[i], fx.Node) else outs[i] for i in user_outputs
+            ]
+            graph.output(picked[0] if len(picked) == 1 else tuple(picked))
+            continue
+        else:
+            new = graph.node_copy(node, lambda n: env[n])
+        env[node] = new
+    holder = _ConstantHolder(model, constants)
+    gm = fx.GraphModule(holder, graph, class_name=type(model).__name__ + "Graph")
+    gm.graph.lint()
+    return gm
+
+
+class _ConstantHolder(nn.Module):
+    """Root for GraphModule: the model's attributes plus lifted constants."""
+
+    def __init__(self, model: nn.Module, constants: Mapping[str, Any]) -> None:
+        super().__init__()
+        self._modules.update(model._modules)
+        self._parameters.update(model._parameters)
+        self._buffers.update(model._buffers)
+        for name, value in constants.items():
+            setattr(self, name, value)
+
+
+# ---- repeated blocks -------------------------------------------------------
+
+
+def _signature(module: nn.Module) -> tuple[Any, ...]:
+    """Everything that could make two blocks trace differently, except weight values."""
+    plain = (int, float, str, bool, type(None))
+    parts: list[Any] = []
+    for name, sub in module.named_modules():
+        attrs = tuple(
+            sorted(
+                (k, v)
+                for k, v in vars(sub).items()
+                if not k.startswith("_")
+                and (
+                    isinstance(v, plain)
+                    or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v))
+                )
+            )
+        )
+        parts.append((name, type(sub), attrs))
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        parts.append((name, tuple(t.shape), t.dtype, t.requires_grad))
+    return tuple(parts)
+
+
+def find_repeated_blocks(model: nn.Module) -> RepeatedBlocks | None:
+    """The outermost ModuleList whose children are all structurally identical (≥2), if one."""
+    found: list[RepeatedBlocks] = []
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 2:
+            continue
+        if any(fqn.startswith(f.fqn + ".") for f in found):
+            continue  # nested inside a repeated block (e.g. MoE experts)
+        sig = _signature(mod[0])
+        if all(_signature(m) == sig for m in list(mod)[1:]):
+            parent_fqn, _, attr = fqn.rpartition(".")
+            found.append(RepeatedBlocks(fqn, model.get_submodule(parent_fqn), attr, len(mod)))
+    return found[0] if len(found) == 1 else None
+
+
+class truncated:
+    """Context manager: temporarily keep only the first ``k`` blocks of ``rb``."""
+
+    def __init__(self, rb: RepeatedBlocks, k: int) -> None:
+        self.rb, self.k = rb, k
+        self.full: nn.ModuleList | None = None
+
+    def __enter__(self) -> None:
+        self.full = getattr(self.rb.parent, self.rb.attr)
+        assert self.full is not None
+        self.rb.parent._modules[self.rb.attr] = nn.ModuleList(list(self.full)[: self.k])
+
+    def __exit__(self, *exc: object) -> None:
+        self.rb.parent._modules[self.rb.attr] = self.full
+
+
+def block_index(node: fx.Node, prefix: str) -> int | None:
+    """Index i of the repeated block ``prefix.i`` that ``node`` belongs to, if any."""
+    if node.op == "get_attr":
+        path = str(node.target)
+        if path.startswith(prefix + "."):
+            head = path[len(prefix) + 1 :].split(".", 1)[0]
+            return int(head) if head.isdigit() else None
+        return None
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in stack.values():
+        if path == prefix or not path.startswith(prefix + "."):
+            continue
+        head = path[len(prefix) + 1 :].split(".", 1)[0]
+        if head.isdigit():
+            return int(head)
+    return None
+
+
+class NotPeriodic(Exception):
+    """The 3-block graph can't be extended by copying block 1 (fall back to a full trace)."""
+
+
+def expand_repeated(gm: fx.GraphModule, rb: RepeatedBlocks, root: nn.Module) -> fx.GraphModule:
+    """Splice a graph traced with blocks 0..2 into one for blocks 0..L-1 (see module doc)."""
+    L, prefix = rb.count, rb.fqn
+    nodes = list(gm.graph.nodes)
+    seg: dict[fx.Node, int | None] = {}  # segment: None prologue, 0/1/2 block+glue, 3 epilogue
+    current: int | None = None
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr"):
+            seg[n] = None if block_index(n, prefix) is None else -1  # weights: by name, not order
+            continue
+        i = block_index(n, prefix)
+        if i is not None:
+            if current is not None and current not in (i, i - 1) and current != 3:
+                raise NotPeriodic(f"block order {current} -> {i}")
+            current = i
+        elif current == 2 and n.op != "output":
+            pass  # glue after the last block is treated as part of block 2's segment
+        seg[n] = current if n.op != "output" else 3
+    body = {
+        k: [n for n in nodes if seg.get(n) == k and n.op not in ("get_attr",)] for k in (0, 1, 2)
+    }
+    if not body[0] or not body[1] or not body[2]:
+        raise NotPeriodic("a block has no nodes")
+    shape0 = [_op_key(n) for n in body[0]]
+    if shape0 != [_op_key(n) for n in body[1]]:
+        raise NotPeriodic("blocks 0 and 1 differ")
+    pos1 = {n: p for p, n in enumerate(body[1])}
+    pos0 = {n: p for p, n in enumerate(body[0])}
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attr_cache: dict[str, fx.Node] = {}
+
+    def attr(target: str, like: fx.Node) -> fx.Node:
+        if target not in attr_cache:
+            new = graph.get_attr(target)
+            new.meta = dict(like.meta)
+            attr_cache[target] = new
+        return attr_cache[target]
+
+    def rename(target: str, src: int, dst: int) -> str:
+        return target.replace(f"{prefix}.{src}.", f"{prefix}.{dst}.", 1)
+
+    def remap_stack(n: fx.Node, src: int, dst: int) -> None:
+        stack = n.meta.get("nn_module_stack")
+        if stack:
+            n.meta["nn_module_stack"] = {
+                k.replace(f"{prefix}.{src}", f"{prefix}.{dst}"): (
+                    p.replace(f"{prefix}.{src}", f"{prefix}.{dst}", 1)
+                    if p.startswith(f"{prefix}.{src}")
+                    else p,
+                    t,
+                )
+                for k, (p, t) in stack.items()
+            }
+
+    prev: list[fx.Node] = []  # the copy of the previous block, by position in block 1
+
+    def copy_block1(j: int) -> list[fx.Node]:
+        out: list[fx.Node] = []
+        local: dict[fx.Node, fx.Node] = {}
+
+        def arg(a: fx.Node) -> fx.Node:
+            if a in local:
+                return local[a]
+            if a.op == "get_attr" and block_index(a, prefix) == 1:
+                return attr(rename(str(a.target), 1, j), a)
+            s = seg.get(a)
+            if s == 0:
+                return prev[pos0[a]]
+            if s is None:
+                return env[a]
+            raise NotPeriodic(f"block 1 reads {a.name} from segment {s}")
+
+        for n in body[1]:
+            new = graph.node_copy(n, arg)
+            remap_stack(new, 1, j)
+            local[n] = new
+            out.append(new)
+        return out
+
+    def last_block_arg(a: fx.Node) -> fx.Node:
+        """Inputs of block 2's nodes, which become block L-1: block 1 → the last copy."""
+        if seg.get(a) == 1:
+            return prev[pos1[a]]
+        if seg.get(a) == 0:
+            raise NotPeriodic(f"block 2 reads {a.name} from block 0")
+        return env[a]
+
+    for n in nodes:
+        s = seg[n]
+        if n.op == "get_attr":
+            bi = block_index(n, prefix)
+            if bi == 2:
+                env[n] = attr(rename(str(n.target), 2, L - 1), n)
+            elif bi is None or bi < 2:
+                env[n] = attr(str(n.target), n)
+            continue
+        if s == 2 and not prev:
+            prev = list(map(env.__getitem__, body[1]))
+            for j in range(2, L - 1):
+                prev = copy_block1(j)
+        if s == 2:
+            new = graph.node_copy(n, last_block_arg)
+            remap_stack(new, 2, L - 1)
+            env[n] = new
+            continue
+        if s == 3 or (n.op == "output"):
+            for a in n.all_input_nodes:
+                if seg.get(a) in (0, 1):
+                    raise NotPeriodic(f"the output reads {a.name} from an early block")
+        env[n] = graph.node_copy(n, env.__getitem__)
+    new_gm = fx.GraphModule(root, graph, class_name=gm.__class__.__name__)
+    new_gm.graph.lint()
+    return new_gm
+
+
+def _op_key(n: fx.Node) -> tuple[Any, ...]:
+    val = n.meta.get("val")
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    return (n.op, str(n.target), shape)
+
+
+# ---- errors ----------------------------------------------------------------
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_SKIP_DIRS = (_TORCH_DIR, os.path.dirname(inspect.__file__), os.path.dirname(__file__))
+
+
+def capture_error(model: nn.Module, exc: BaseException) -> CaptureError:
+    """One clear error for a failed trace: the user's module, file:line, reason and fix."""
+    frames: list[traceback.FrameSummary] = []
+    module_fqn, module_cls = "", type(model).__name__
+    names = {id(m): n for n, m in model.named_modules()}
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        fname = frame.f_code.co_filename
+        if not fname.startswith(_SKIP_DIRS):
+            frames.append(traceback.FrameSummary(fname, tb.tb_lineno, frame.f_code.co_name))
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and id(owner) in names:
+                module_fqn, module_cls = names[id(owner)], type(owner).__name__
+        tb = tb.tb_next
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    data_dependent = any(
+        k in str(exc)
+        for k in ("data-dependent", "data dependent", "_local_scalar_dense", "GuardOnDataDependent")
+    )
+    fix = (
+        "Python control flow there depends on a tensor's value; compute both branches with "
+        "torch.where (or use torch.cond), or move the check out of forward()"
+        if data_dependent
+        else "make that code traceable by torch.export (non-strict), or capture a submodule"
+    )
+    where = ""
+    if frames:
+        f = frames[-1]
+        src = (f.line or "").strip()
+        where = f" at {f.filename}:{f.lineno}" + (f" `{src}`" if src else "")
+    who = f"module '{module_fqn}' ({module_cls})" if module_fqn else f"model {module_cls}"
+    if data_dependent:
+        reason = "branches on the value of a tensor"
+    return CaptureError(f"can't capture {who}{where}: {reason}. Fix: {fix}.")

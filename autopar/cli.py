@@ -1,0 +1,219 @@
+"""The ``autopar`` command line: ``inspect``, ``models``, ``clusters``.
+
+Exit codes: 0 success, 2 user error (one line on stderr, no traceback), 1 bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.errors import AutoparError
+from autopar.units import format_bytes, format_si
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopar", description="Plan and run parallel training for a PyTorch model."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("inspect", help="capture a model and show its layers, FLOPs and memory")
+    p.add_argument(
+        "model", metavar="MODEL", help="zoo name, path/to/file.py:factory or pkg.mod:factory"
+    )
+    p.add_argument("--batch", type=_positive, default=1, help="sequences per step (default 1)")
+    p.add_argument(
+        "--seq", type=_positive, default=None, help="sequence length (default: the model's)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default="bf16",
+        help="parameter and activation dtype (default bf16)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("models", help="list the built-in models")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("clusters", help="list the built-in cluster presets")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
+    from autopar.capture import capture
+    from autopar.inspection import report
+    from autopar.models import resolve
+
+    resolved = resolve(args.model, dtype=args.dtype)
+    seq = args.seq or resolved.default_seq
+    if not args.json:
+        Console(stderr=True).print(
+            f"[dim]capturing {args.model} at batch {args.batch}, seq {seq} …[/dim]"
+        )
+    cap = capture(resolved.module, batch=args.batch, seq=seq)
+    rep = report(cap, model=args.model, dtype=args.dtype, gpt=resolved.gpt)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return
+    spliced = (
+        f"{rep['traced_blocks']} blocks traced, the rest spliced"
+        if cap.traced_blocks and cap.traced_blocks < len(cap.layers) - 2
+        else "fully traced"
+    )
+    console.print(
+        f"[bold]{args.model}[/bold]  batch {cap.batch}  seq {cap.seq}  {args.dtype}  "
+        f"captured in {cap.capture_s:.1f} s ({rep['nodes']} nodes, {spliced})"
+    )
+    table = Table(show_edge=False)
+    for col in ("layer type", "count", "params", "fwd FLOPs", "bwd FLOPs", "saved for bwd"):
+        table.add_column(col, justify="left" if col == "layer type" else "right")
+    for t in rep["layer_types"]:
+        table.add_row(
+            t["name"],
+            str(t["count"]),
+            _count(t["params"]),
+            format_si(t["fwd_flops"], "FLOP"),
+            format_si(t["bwd_flops"], "FLOP"),
+            format_bytes(t["saved_bytes"]),
+        )
+    table.add_row(
+        "[bold]total[/bold]",
+        str(rep["num_layers"]),
+        _count(rep["total_params"]),
+        format_si(rep["forward_flops"], "FLOP"),
+        format_si(rep["total_flops"] - rep["forward_flops"], "FLOP"),
+        format_bytes(rep["saved_bytes"]),
+    )
+    console.print(table)
+    console.print(
+        f"one training step (fwd + bwd, model FLOPs): {format_si(rep['total_flops'], 'FLOP')}"
+    )
+    if rep["checks"]:
+        checks = Table(title="closed-form cross-checks", show_edge=False, title_justify="left")
+        for col in ("quantity", "formula", "closed form", "captured", "diff"):
+            checks.add_column(col, justify="left" if col in ("quantity", "formula") else "right")
+        for c in rep["checks"]:
+            fmt = (
+                _count
+                if c["name"] == "parameters"
+                else ((lambda x: format_si(x, "FLOP")) if "FLOP" in c["name"] else format_bytes)
+            )
+            checks.add_row(
+                c["name"],
+                c["formula"],
+                fmt(c["expected"]),
+                fmt(c["captured"]),
+                f"{100 * c['rel_error']:+.2f}%",
+            )
+        console.print(checks)
+        for c in rep["checks"]:
+            if c["note"]:
+                console.print(f"[dim]  {c['name']}: {c['note']}[/dim]")
+
+
+def cmd_models(args: argparse.Namespace, console: Console) -> None:
+    from autopar.zoo import ZOO, build
+
+    rows: list[dict[str, Any]] = []
+    for name, entry in ZOO.items():
+        params = sum(p.numel() for p in build(name).parameters())
+        rows.append(
+            {
+                "name": name,
+                "family": entry.family,
+                "params": params,
+                "default_seq": entry.default_seq,
+                "source": entry.source,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(show_edge=False)
+    for col in ("model", "family", "params", "seq", "shape from"):
+        table.add_column(col, justify="right" if col in ("params", "seq") else "left")
+    for r in rows:
+        table.add_row(
+            r["name"], r["family"], _count(r["params"]), str(r["default_seq"]), r["source"]
+        )
+    console.print(table)
+
+
+def cmd_clusters(args: argparse.Namespace, console: Console) -> None:
+    from autopar.cluster import Cluster, preset_names
+
+    clusters = [Cluster.preset(name) for name in preset_names()]
+    if args.json:
+        print(json.dumps([c.to_dict() for c in clusters], indent=2))
+        return
+    table = Table(show_edge=False)
+    for col in (
+        "preset",
+        "device",
+        "per node",
+        "memory",
+        "bf16 peak",
+        "HBM",
+        "intra-node",
+        "inter-node/node",
+    ):
+        table.add_column(col, justify="left" if col in ("preset", "device") else "right")
+    for c in clusters:
+        d = c.device
+        table.add_row(
+            c.name,
+            d.name,
+            str(c.gpus_per_node),
+            format_bytes(d.memory_bytes),
+            format_si(d.peak_flops["bf16"], "FLOP/s"),
+            format_si(d.hbm_bandwidth_bytes_per_s, "B/s"),
+            format_si(c.intra_node.bandwidth_bytes_per_s, "B/s"),
+            format_si(c.inter_node.bandwidth_bytes_per_s, "B/s"),
+        )
+    console.print(table)
+    console.print("[dim]use with --nodes N; or write a YAML file (see README)[/dim]")
+
+
+def _count(n: float) -> str:
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {suffix}"
+    return f"{n:.0f}"
+
+
+COMMANDS: dict[str, Any] = {"inspect": cmd_inspect, "models": cmd_models, "clusters": cmd_clusters}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Wide enough for the tables when piped; a terminal sets its own width.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
+    try:
+        COMMANDS[args.command](args, console)
+    except AutoparError as e:
+        print(f"autopar {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

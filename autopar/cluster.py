@@ -1,0 +1,409 @@
+"""Cluster descriptions: the one place for every hardware number.
+
+A ``Cluster`` comes from a preset (``Cluster.preset("dgx-h100", nodes=4)``),
+a YAML file (``Cluster.from_yaml(path)``) or a dict, and round-trips through
+YAML and JSON. Numbers come from vendor datasheets and the measurements listed
+in ``shared/REFERENCES.md``; each preset says where its numbers come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from autopar.errors import ClusterSpecError
+from autopar.units import parse_quantity
+
+DTYPES = ("fp32", "tf32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or one CPU rank for the ``cpu`` preset)."""
+
+    name: str
+    """Human-readable device name, e.g. ``"H100-SXM5-80GB"``."""
+    memory_bytes: int
+    """Device memory in bytes, as the datasheet gives it (the planner keeps a reserve)."""
+    peak_flops: Mapping[str, float]
+    """Peak dense FLOP/s per dtype (keys among fp32, tf32, bf16, fp16); bf16 is required."""
+    hbm_bandwidth_bytes_per_s: float
+    """Device-memory bandwidth in bytes/s (roofline's memory roof)."""
+    matmul_efficiency: float
+    """Achievable fraction of peak on large matmuls, in (0, 1]."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.name, str) and self.name != "", "device.name", "a non-empty string")
+        _check_positive(self.memory_bytes, "device.memory_bytes")
+        _check(
+            isinstance(self.peak_flops, Mapping), "device.peak_flops", "a mapping dtype → FLOP/s"
+        )
+        _check("bf16" in self.peak_flops, "device.peak_flops.bf16", "a positive FLOP/s value")
+        for dtype, flops in self.peak_flops.items():
+            _check(dtype in DTYPES, f"device.peak_flops.{dtype}", f"a dtype among {DTYPES}")
+            _check_positive(flops, f"device.peak_flops.{dtype}")
+        _check_positive(self.hbm_bandwidth_bytes_per_s, "device.hbm_bandwidth_bytes_per_s")
+        _check(
+            _is_number(self.matmul_efficiency) and 0 < self.matmul_efficiency <= 1,
+            "device.matmul_efficiency",
+            "a fraction in (0, 1]",
+            self.matmul_efficiency,
+        )
+
+    def achievable_flops(self, dtype: str) -> float:
+        """Large-matmul FLOP/s for ``dtype``: peak × matmul_efficiency."""
+        if dtype not in self.peak_flops:
+            raise ClusterSpecError(
+                f"device {self.name} has no peak FLOP/s for {dtype}; "
+                f"it has {sorted(self.peak_flops)} (add device.peak_flops.{dtype})"
+            )
+        return self.peak_flops[dtype] * self.matmul_efficiency
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """A link in the alpha-beta model: time(S bytes) = latency_s + S / bandwidth."""
+
+    bandwidth_bytes_per_s: float
+    """Achievable unidirectional bandwidth in bytes/s (per GPU inside a node, per node across)."""
+    latency_s: float
+    """Per-message latency (alpha) in seconds; >= 0."""
+
+    def __post_init__(self) -> None:
+        _check_positive(self.bandwidth_bytes_per_s, "bandwidth_bytes_per_s")
+        _check(
+            _is_number(self.latency_s) and self.latency_s >= 0,
+            "latency_s",
+            "a number >= 0",
+            self.latency_s,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Nodes of identical devices joined by an intra-node link and an inter-node network."""
+
+    name: str
+    """Preset or user name of the cluster, e.g. ``"dgx-h100"``."""
+    num_nodes: int
+    """Number of nodes (machines)."""
+    gpus_per_node: int
+    """Devices (ranks) per node."""
+    device: DeviceSpec
+    """The device every rank has."""
+    intra_node: LinkSpec
+    """Per-GPU link inside a node (NVLink; loopback for ``cpu``)."""
+    inter_node: LinkSpec
+    """Per-node network between nodes (InfiniBand), shared by the node's GPUs."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.name, str) and self.name != "", "name", "a non-empty string")
+        _check_positive_int(self.num_nodes, "num_nodes")
+        _check_positive_int(self.gpus_per_node, "gpus_per_node")
+
+    @property
+    def world_size(self) -> int:
+        """Total number of devices (ranks): num_nodes × gpus_per_node."""
+        return self.num_nodes * self.gpus_per_node
+
+    # ---- constructors -------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str, *, nodes: int = 1, gpus_per_node: int | None = None) -> Cluster:
+        """A built-in cluster: ``Cluster.preset("dgx-a100-80g", nodes=16)``."""
+        if name not in PRESETS:
+            raise ClusterSpecError(
+                f"unknown cluster preset {name!r}; choose one of {', '.join(PRESETS)} "
+                "or give a YAML file (see `autopar clusters`)"
+            )
+        base = PRESETS[name](gpus_per_node)
+        return dataclasses.replace(base, num_nodes=nodes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
+        """Build from a dict (as read from YAML/JSON); ``preset:`` may supply defaults."""
+        if not isinstance(data, Mapping):
+            raise ClusterSpecError(
+                f"cluster: expected a mapping of fields, got {type(data).__name__}"
+            )
+        data = dict(data)
+        if "preset" in data:
+            preset = data.pop("preset")
+            if not isinstance(preset, str) or preset not in PRESETS:
+                raise ClusterSpecError(
+                    f"preset: unknown cluster preset {preset!r}; expected one of "
+                    f"{', '.join(PRESETS)}"
+                )
+            data = _deep_merge(PRESETS[preset](data.get("gpus_per_node")).to_dict(), data)
+        try:
+            _reject_unknown(data, _CLUSTER_FIELDS, "")
+            device = _mapping(_require(data, "device", ""), "device")
+            _reject_unknown(device, _DEVICE_FIELDS, "device.")
+            peak = _mapping(_require(device, "peak_flops", "device."), "device.peak_flops")
+            return cls(
+                name=_str(data.get("name", "custom"), "name"),
+                num_nodes=_int(_require(data, "num_nodes", ""), "num_nodes"),
+                gpus_per_node=_int(_require(data, "gpus_per_node", ""), "gpus_per_node"),
+                device=DeviceSpec(
+                    name=_str(_require(device, "name", "device."), "device.name"),
+                    memory_bytes=int(
+                        _quantity(device, "memory_bytes", "bytes", "device.", "80 GB")
+                    ),
+                    peak_flops={
+                        str(k): _q(v, "flops", f"device.peak_flops.{k}", "989 TFLOP/s")
+                        for k, v in peak.items()
+                    },
+                    hbm_bandwidth_bytes_per_s=_quantity(
+                        device, "hbm_bandwidth_bytes_per_s", "bytes_per_s", "device.", "3.35 TB/s"
+                    ),
+                    matmul_efficiency=_number(
+                        _require(device, "matmul_efficiency", "device."),
+                        "device.matmul_efficiency",
+                    ),
+                ),
+                intra_node=_link(_require(data, "intra_node", ""), "intra_node"),
+                inter_node=_link(_require(data, "inter_node", ""), "inter_node"),
+            )
+        except ClusterSpecError:
+            raise
+        except ValueError as e:  # from parse_quantity: already names the field
+            raise ClusterSpecError(str(e)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> Cluster:
+        """Read a cluster YAML file (see README for the format)."""
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ClusterSpecError(f"cluster file {os.fspath(path)!r} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ClusterSpecError(
+                f"cluster file {os.fspath(path)!r} is not valid YAML: {e}"
+            ) from None
+        if data is None:
+            raise ClusterSpecError(f"cluster file {os.fspath(path)!r} is empty")
+        try:
+            return cls.from_dict(data)
+        except ClusterSpecError as e:
+            raise ClusterSpecError(f"{os.fspath(path)}: {e}") from None
+
+    @classmethod
+    def load(
+        cls, spec: str, *, nodes: int | None = None, gpus_per_node: int | None = None
+    ) -> Cluster:
+        """A preset name or a YAML path (as the CLI's CLUSTER argument), with overrides."""
+        if spec.endswith((".yaml", ".yml")) or os.path.sep in spec:
+            cluster = cls.from_yaml(spec)
+            if gpus_per_node is not None:
+                cluster = dataclasses.replace(cluster, gpus_per_node=gpus_per_node)
+            if nodes is not None:
+                cluster = dataclasses.replace(cluster, num_nodes=nodes)
+            return cluster
+        return cls.preset(spec, nodes=nodes or 1, gpus_per_node=gpus_per_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of base-unit numbers; ``Cluster.from_dict(c.to_dict()) == c``."""
+        d = dataclasses.asdict(self)
+        d["device"]["peak_flops"] = dict(self.device.peak_flops)
+        return d
+
+    def to_yaml(self, path: str | os.PathLike[str]) -> None:
+        """Write the cluster as YAML (written to a temporary file, then renamed)."""
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w") as f:
+            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+        os.replace(tmp, path)
+
+
+# ---- validation helpers ----------------------------------------------------
+
+_CLUSTER_FIELDS = {f.name for f in dataclasses.fields(Cluster)}
+_DEVICE_FIELDS = {f.name for f in dataclasses.fields(DeviceSpec)}
+_LINK_FIELDS = {f.name for f in dataclasses.fields(LinkSpec)}
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _check(ok: bool, field: str, expected: str, got: object = dataclasses.MISSING) -> None:
+    if not ok:
+        suffix = "" if got is dataclasses.MISSING else f", got {got!r}"
+        raise ClusterSpecError(f"{field}: expected {expected}{suffix}")
+
+
+def _check_positive(x: object, field: str) -> None:
+    _check(_is_number(x) and x > 0, field, "a positive number", x)  # type: ignore[operator]
+
+
+def _check_positive_int(x: object, field: str) -> None:
+    _check(isinstance(x, int) and not isinstance(x, bool) and x > 0, field, "a positive integer", x)
+
+
+def _require(d: Mapping[str, Any], key: str, prefix: str) -> Any:
+    if key not in d:
+        raise ClusterSpecError(f"{prefix}{key}: missing (required field)")
+    return d[key]
+
+
+def _reject_unknown(d: Mapping[str, Any], known: set[str], prefix: str) -> None:
+    unknown = sorted(set(d) - known - {"preset"})
+    if unknown:
+        raise ClusterSpecError(
+            f"{prefix}{unknown[0]}: unknown field; expected one of {', '.join(sorted(known))}"
+        )
+
+
+def _mapping(x: object, field: str) -> Mapping[str, Any]:
+    _check(isinstance(x, Mapping), field, "a mapping of fields", x)
+    return x  # type: ignore[return-value]
+
+
+def _str(x: object, field: str) -> str:
+    _check(isinstance(x, str), field, "a string", x)
+    return x  # type: ignore[return-value]
+
+
+def _int(x: object, field: str) -> int:
+    _check_positive_int(x, field)
+    return x  # type: ignore[return-value]
+
+
+def _number(x: object, field: str) -> float:
+    _check(_is_number(x), field, "a number", x)
+    return float(x)  # type: ignore[arg-type]
+
+
+def _q(x: object, kind: str, field: str, example: str) -> float:
+    try:
+        return parse_quantity(x, kind, field)
+    except ValueError as e:
+        raise ClusterSpecError(f"{e} (e.g. {example!r})") from None
+
+
+def _quantity(d: Mapping[str, Any], key: str, kind: str, prefix: str, example: str) -> float:
+    return _q(_require(d, key, prefix), kind, prefix + key, example)
+
+
+def _link(x: object, field: str) -> LinkSpec:
+    d = _mapping(x, field)
+    _reject_unknown(d, _LINK_FIELDS, f"{field}.")
+    bw = _quantity(d, "bandwidth_bytes_per_s", "bytes_per_s", f"{field}.", "400 GB/s")
+    lat = parse_quantity(_require(d, "latency_s", f"{field}."), "seconds", f"{field}.latency_s")
+    try:
+        return LinkSpec(bandwidth_bytes_per_s=bw, latency_s=lat)
+    except ClusterSpecError as e:
+        raise ClusterSpecError(f"{field}.{e}") from None
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in override.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+# ---- presets ---------------------------------------------------------------
+#
+# Sources (shared/REFERENCES.md): NVIDIA A100 / H100 / H200 datasheets for
+# memory, dense bf16/fp16/tf32/fp32 peaks and HBM bandwidth; nccl-tests bus
+# bandwidth for the achievable NVLink figure (A100 ~230 GB/s, H100 ~370 GB/s
+# ring; H200 has the same NVLink 4 as H100); DGX network 8×200 Gb/s HDR
+# (≈200 GB/s per node) for A100 and 8×400 Gb/s NDR (≈400 GB/s) for H100/H200.
+# matmul_efficiency 0.8: a bf16 8192³ matmul measured ~790 of 989 TFLOP/s on
+# an H200 here (0.80); the same fraction is assumed for A100 and H100.
+# Latencies (5 µs NVLink, 10 µs IB per message) are assumptions, not
+# measurements: `autopar profile-comm` replaces them with fitted values.
+
+_NVLINK_LATENCY_S = 5e-6
+_IB_LATENCY_S = 10e-6
+
+
+def _dgx(
+    name: str,
+    device: str,
+    memory_gb: float,
+    peaks_tflops: tuple[float, float, float],
+    hbm_tb_s: float,
+    nvlink_gb_s: float,
+    ib_gb_s: float,
+) -> Callable[[int | None], Cluster]:
+    fp32, tf32, bf16 = peaks_tflops
+
+    def make(gpus_per_node: int | None) -> Cluster:
+        return Cluster(
+            name=name,
+            num_nodes=1,
+            gpus_per_node=gpus_per_node or 8,
+            device=DeviceSpec(
+                name=device,
+                memory_bytes=int(memory_gb * 1e9),
+                peak_flops={
+                    "fp32": fp32 * 1e12,
+                    "tf32": tf32 * 1e12,
+                    "bf16": bf16 * 1e12,
+                    "fp16": bf16 * 1e12,
+                },
+                hbm_bandwidth_bytes_per_s=hbm_tb_s * 1e12,
+                matmul_efficiency=0.8,
+            ),
+            intra_node=LinkSpec(
+                bandwidth_bytes_per_s=nvlink_gb_s * 1e9, latency_s=_NVLINK_LATENCY_S
+            ),
+            inter_node=LinkSpec(bandwidth_bytes_per_s=ib_gb_s * 1e9, latency_s=_IB_LATENCY_S),
+        )
+
+    return make
+
+
+def _cpu(gpus_per_node: int | None) -> Cluster:
+    """This 2-core, 24 GiB machine, one gloo rank per core by default.
+
+    Measured here (torch 2.13 CPU, one thread): fp32 1024³ matmul 54 GFLOP/s,
+    bf16 0.86 GFLOP/s (no bf16 matmul units), tensor copy 14 GB/s (read +
+    write). Memory: 20 GiB of the 24 GiB shared by the ranks. The loopback
+    gloo link (2 GB/s, 50 µs) is an assumption until `autopar profile-comm`
+    measures it.
+    """
+    ranks = gpus_per_node or 2
+    return Cluster(
+        name="cpu",
+        num_nodes=1,
+        gpus_per_node=ranks,
+        device=DeviceSpec(
+            name="cpu-rank",
+            memory_bytes=(20 * 2**30) // ranks,
+            peak_flops={"fp32": 54e9, "bf16": 0.86e9},
+            hbm_bandwidth_bytes_per_s=14e9,
+            matmul_efficiency=1.0,
+        ),
+        intra_node=LinkSpec(bandwidth_bytes_per_s=2e9, latency_s=50e-6),
+        inter_node=LinkSpec(bandwidth_bytes_per_s=1e9, latency_s=100e-6),
+    )
+
+
+PRESETS: dict[str, Callable[[int | None], Cluster]] = {
+    "dgx-a100-40g": _dgx("dgx-a100-40g", "A100-SXM4-40GB", 40, (19.5, 156, 312), 1.555, 230, 200),
+    "dgx-a100-80g": _dgx("dgx-a100-80g", "A100-SXM4-80GB", 80, (19.5, 156, 312), 2.039, 230, 200),
+    "dgx-h100": _dgx("dgx-h100", "H100-SXM5-80GB", 80, (67, 494.5, 989), 3.35, 370, 400),
+    "dgx-h200": _dgx("dgx-h200", "H200-SXM-141GB", 141, (67, 494.5, 989), 4.8, 370, 400),
+    "cpu": _cpu,
+}
+"""Built-in clusters by name; each factory takes an optional gpus_per_node."""
+
+
+def preset_names() -> list[str]:
+    """Names of the built-in clusters, in listing order."""
+    return list(PRESETS)
+
+
+__all__ = ["PRESETS", "Cluster", "DeviceSpec", "LinkSpec", "preset_names"]

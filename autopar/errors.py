@@ -1,0 +1,23 @@
+"""Error types for user mistakes.
+
+Every error here is a ``ValueError``: the CLI turns it into one line on stderr
+and exit code 2. Internal invariants use ``assert`` instead.
+"""
+
+from __future__ import annotations
+
+
+class AutoparError(ValueError):
+    """A user-facing error: the message says what was wrong and what to do."""
+
+
+class ClusterSpecError(AutoparError):
+    """A cluster description (preset name, YAML file or dict) is invalid."""
+
+
+class ModelSpecError(AutoparError):
+    """A MODEL argument (zoo name, ``file.py:factory``, ``pkg.mod:factory``) is invalid."""
+
+
+class CaptureError(AutoparError):
+    """The model cannot be captured into a graph (names the module and source line)."""
