@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
-    from autopar.capture import capture
+    from autopar.graph import capture
     from autopar.inspection import report
     from autopar.models import resolve
 

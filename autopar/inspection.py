@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.capture import CapturedModel
 from autopar.cost_models import closed_forms
+from autopar.graph import CapturedModel
 from autopar.zoo.gpt import GPTConfig
 
 

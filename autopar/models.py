@@ -6,6 +6,7 @@ so a model of any size costs no memory to inspect or plan.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import os
@@ -42,9 +43,11 @@ def load_factory(spec: str) -> Callable[[], Any]:
     """The callable named by ``file.py:factory`` or ``package.module:factory``."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
+        close = difflib.get_close_matches(spec, list(zoo.ZOO), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ModelSpecError(
-            f"model {spec!r} is neither a built-in name (see `autopar models`) "
-            "nor path/to/file.py:factory nor package.module:factory"
+            f"unknown model {spec!r}{hint}; give a built-in name (see `autopar models`), "
+            "path/to/file.py:factory or package.module:factory"
         )
     if target.endswith(".py") or os.path.sep in target:
         if not os.path.isfile(target):

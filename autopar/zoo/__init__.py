@@ -54,6 +54,13 @@ _GPT2 = "Radford et al. 2019 (GPT-2), V=50257, s=1024"
 _MEGATRON = "Narayanan et al. SC'21 Table 1, V=51200, s=2048"
 _LLAMA3 = "Llama 3 (Dubey et al. 2024, Table 3)"
 
+
+def _llama(name: str, layers: int, dim: int, heads: int, ffn: int) -> ZooEntry:
+    """Llama 3: 8 key/value heads, V=128256, RoPE θ=500000 at every size."""
+    cfg = LlamaConfig(n_layer=layers, dim=dim, n_head=heads, n_kv_head=8, ffn_dim=ffn)
+    return ZooEntry(name=name, family="llama", config=cfg, source=_LLAMA3)
+
+
 ZOO: dict[str, ZooEntry] = {
     e.name: e
     for e in [
@@ -72,24 +79,9 @@ ZOO: dict[str, ZooEntry] = {
         _gpt("megatron-310.1b", 96, 16384, 128, _MEGATRON),
         _gpt("megatron-529.6b", 105, 20480, 128, _MEGATRON),
         _gpt("megatron-1t", 128, 25600, 160, _MEGATRON),
-        ZooEntry(
-            name="llama3-8b",
-            family="llama",
-            config=LlamaConfig(n_layer=32, dim=4096, n_head=32, n_kv_head=8, ffn_dim=14336),
-            source=_LLAMA3,
-        ),
-        ZooEntry(
-            name="llama3-70b",
-            family="llama",
-            config=LlamaConfig(n_layer=80, dim=8192, n_head=64, n_kv_head=8, ffn_dim=28672),
-            source=_LLAMA3,
-        ),
-        ZooEntry(
-            name="llama3-405b",
-            family="llama",
-            config=LlamaConfig(n_layer=126, dim=16384, n_head=128, n_kv_head=8, ffn_dim=53248),
-            source=_LLAMA3,
-        ),
+        _llama("llama3-8b", 32, 4096, 32, 14336),
+        _llama("llama3-70b", 80, 8192, 64, 28672),
+        _llama("llama3-405b", 126, 16384, 128, 53248),
         ZooEntry(
             name="mixtral-8x7b",
             family="mixtral",

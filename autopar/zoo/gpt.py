@@ -102,7 +102,9 @@ class GPT(nn.Module):
 
 
 def _init_weights(module: nn.Module) -> None:
-    """GPT-2 initialisation: N(0, 0.02) weights, zero biases."""
+    """GPT-2 initialisation: N(0, 0.02) weights, zero biases (nothing to do on meta)."""
+    if any(p.is_meta for p in module.parameters(recurse=False)):
+        return
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if module.bias is not None:

@@ -142,8 +142,8 @@ class Llama(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        for m in self.modules():
-            if isinstance(m, nn.Linear | nn.Embedding):
+        for m in self.modules():  # N(0, 0.02) weights; meta tensors hold no values
+            if isinstance(m, nn.Linear | nn.Embedding) and not m.weight.is_meta:
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

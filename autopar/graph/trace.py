@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
 from autopar.errors import CaptureError
 
@@ -65,10 +65,13 @@ def _to_graph_module(model: nn.Module, ep: ExportedProgram) -> fx.GraphModule:
     sig = ep.graph_signature
     lifted: dict[str, str] = {}
     constants: dict[str, Any] = {}
+    constant_inputs: dict[str, Any] = {}
     for spec in sig.input_specs:
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             assert spec.target is not None
             lifted[spec.arg.name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT and isinstance(spec.arg, ConstantArgument):
+            constant_inputs[spec.arg.name] = spec.arg.value  # e.g. use_cache=False
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             assert spec.target is not None
             name = "_autopar_const_" + re.sub(r"\W", "_", spec.target)
@@ -80,6 +83,9 @@ def _to_graph_module(model: nn.Module, ep: ExportedProgram) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in ep.graph.nodes:
+        if node.op == "placeholder" and node.name in constant_inputs:
+            env[node] = constant_inputs[node.name]
+            continue
         if node.op == "placeholder" and node.name in lifted:
             new = graph.get_attr(lifted[node.name])
             new.meta = dict(node.meta)

@@ -6,14 +6,14 @@ import math
 
 import pytest
 import torch
-from autopar.cost_models import closed_forms
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar import CaptureError, capture
-from autopar.capture.annotate import annotate_costs
-from autopar.capture.layers import group_layers
-from autopar.capture.trace import export_graph
+from autopar.cost_models import closed_forms
+from autopar.graph.annotate import annotate_costs
+from autopar.graph.layers import group_layers
+from autopar.graph.trace import export_graph
 from autopar.zoo import GPT, GPTConfig, Llama, LlamaConfig, build
 
 

@@ -23,9 +23,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.capture.annotate import annotate_costs
-from autopar.capture.layers import Layer, find_layer_container, group_layers
-from autopar.capture.trace import (
+from autopar.errors import AutoparError, CaptureError
+from autopar.graph.annotate import annotate_costs
+from autopar.graph.layers import Layer, find_layer_container, group_layers
+from autopar.graph.trace import (
     MIN_BLOCKS_TO_DEDUPE,
     NotPeriodic,
     _ConstantHolder,
@@ -34,7 +35,6 @@ from autopar.capture.trace import (
     find_repeated_blocks,
     truncated,
 )
-from autopar.errors import AutoparError, CaptureError
 
 TRACED_BLOCKS = 3
 """Blocks traced when a model's blocks are identical (the rest are spliced copies)."""
@@ -146,7 +146,6 @@ def capture(
         kwargs = {**default_kwargs, **(kwargs or {})}
     kwargs = dict(kwargs or {})
     gm: fx.GraphModule | None = None
-    traced = 0
     rb = find_repeated_blocks(model)
     if rb is not None and rb.count >= MIN_BLOCKS_TO_DEDUPE:
         try:
@@ -159,20 +158,20 @@ def capture(
                 if n.op == "get_attr" and str(n.target).startswith("_autopar_const_")
             }
             gm = expand_repeated(small, rb, _ConstantHolder(model, constants))
-            traced = TRACED_BLOCKS
         except (NotPeriodic, CaptureError):
             gm = None  # trace the whole model: it reports its own error if it fails too
+    spliced = gm is not None
     if gm is None:
         gm = annotate_costs(export_graph(model, args, kwargs))
-        traced = rb.count if rb is not None else 0
     layers = group_layers(gm, rb.fqn if rb is not None else find_layer_container(model))
+    blocks = sum(1 for layer in layers if layer.name not in ("embed", "head"))
     return CapturedModel(
         gm=gm,
         layers=layers,
         batch=batch,
         seq=seq,
         total_params=sum(p.numel() for p in model.parameters()),
-        traced_blocks=traced,
+        traced_blocks=TRACED_BLOCKS if spliced else blocks,
         capture_s=time.perf_counter() - start,
     )
 

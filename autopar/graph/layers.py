@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.capture.trace import _op_key, block_index
+from autopar.graph.trace import _op_key, block_index
 
 
 @dataclass(frozen=True, kw_only=True)
