@@ -221,6 +221,9 @@ def expand_repeated(gm: fx.GraphModule, rb: RepeatedBlocks, root: nn.Module) -> 
     shape0 = [_op_key(n) for n in body[0]]
     if shape0 != [_op_key(n) for n in body[1]]:
         raise NotPeriodic("blocks 0 and 1 differ")
+    own = [[_op_key(n) for n in body[k] if block_index(n, prefix) == k] for k in (1, 2)]
+    if own[0] != own[1]:
+        raise NotPeriodic("blocks 1 and 2 differ")
     pos1 = {n: p for p, n in enumerate(body[1])}
     pos0 = {n: p for p, n in enumerate(body[0])}
 
