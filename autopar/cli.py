@@ -1,4 +1,4 @@
-"""The ``autopar`` command line: ``inspect``, ``models``, ``clusters``.
+"""The ``autopar`` command line: ``inspect``, ``estimate``, ``models``, ``clusters``.
 
 Exit codes: 0 success, 2 user error (one line on stderr, no traceback), 1 bug.
 """
@@ -35,18 +35,43 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("inspect", help="capture a model and show its layers, FLOPs and memory")
-    p.add_argument(
-        "model", metavar="MODEL", help="zoo name, path/to/file.py:factory or pkg.mod:factory"
-    )
+    p.add_argument("model", metavar="MODEL", help="zoo name, path/to/file.py:factory or pkg.mod:factory")
     p.add_argument("--batch", type=_positive, default=1, help="sequences per step (default 1)")
-    p.add_argument(
-        "--seq", type=_positive, default=None, help="sequence length (default: the model's)"
-    )
+    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
     p.add_argument(
         "--dtype",
         choices=["bf16", "fp16", "fp32"],
         default="bf16",
         help="parameter and activation dtype (default bf16)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("estimate", help="predict step time, throughput and memory of one plan")
+    p.add_argument("model", metavar="MODEL", help="zoo name, path/to/file.py:factory or pkg.mod:factory")
+    p.add_argument("--cluster", required=True, help="preset name (see `autopar clusters`) or YAML file")
+    p.add_argument("--nodes", type=_positive, default=None, help="number of nodes (default 1)")
+    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel degree (default 1)")
+    p.add_argument("--dp", type=_positive, default=None, help="data-parallel degree (default: the rest)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (default 0)")
+    p.add_argument("--micro-batch", type=_positive, default=1, help="sequences per micro-batch")
+    p.add_argument("--global-batch", type=_positive, required=True, help="sequences per step")
+    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
+    p.add_argument(
+        "--virtual-stages",
+        type=_positive,
+        default=None,
+        help="model chunks per pipeline rank (interleaved; default 2)",
+    )
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument(
+        "--reserve-gib",
+        type=float,
+        default=None,
+        help="memory kept back per GPU (default 1 GiB + 5%% of device memory)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -65,10 +90,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
 
     resolved = resolve(args.model, dtype=args.dtype)
     seq = args.seq or resolved.default_seq
-    if not args.json:
-        Console(stderr=True).print(
-            f"[dim]capturing {args.model} at batch {args.batch}, seq {seq} …[/dim]"
-        )
+    _progress(args, f"capturing {args.model} at batch {args.batch}, seq {seq} …")
     cap = capture(resolved.module, batch=args.batch, seq=seq)
     rep = report(cap, model=args.model, dtype=args.dtype, gpt=resolved.gpt)
     if args.json:
@@ -104,9 +126,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
         format_bytes(rep["saved_bytes"]),
     )
     console.print(table)
-    console.print(
-        f"one training step (fwd + bwd, model FLOPs): {format_si(rep['total_flops'], 'FLOP')}"
-    )
+    console.print(f"one training step (fwd + bwd, model FLOPs): {format_si(rep['total_flops'], 'FLOP')}")
     if rep["checks"]:
         checks = Table(title="closed-form cross-checks", show_edge=False, title_justify="left")
         for col in ("quantity", "formula", "closed form", "captured", "diff"):
@@ -128,6 +148,101 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
         for c in rep["checks"]:
             if c["note"]:
                 console.print(f"[dim]  {c['name']}: {c['note']}[/dim]")
+
+
+def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
+    from autopar.cluster import Cluster
+    from autopar.cost_models.estimate import estimate
+    from autopar.cost_models.strategy import Strategy, StrategyError, check_strategy
+    from autopar.costing import profile_model
+    from autopar.models import resolve
+
+    cluster = Cluster.load(args.cluster, nodes=args.nodes)
+    seq = args.seq or resolve(args.model, dtype=args.dtype).default_seq
+    dp = args.dp
+    if dp is None:
+        dp, rem = divmod(cluster.world_size, args.tp * args.pp)
+        if rem or dp == 0:
+            raise StrategyError(
+                f"tp·pp = {args.tp * args.pp} does not divide the cluster's {cluster.world_size} GPUs"
+            )
+    virtual = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
+    strategy = Strategy(
+        tp=args.tp,
+        pp=args.pp,
+        dp=dp,
+        zero=args.zero,
+        micro_batch=args.micro_batch,
+        global_batch=args.global_batch,
+        seq=seq,
+        recompute=args.recompute,
+        schedule=args.schedule,
+        virtual_stages=virtual,
+        sequence_parallel=args.sequence_parallel,
+        dtype=args.dtype,
+    )
+    if strategy.world_size != cluster.world_size:  # before the capture: say it at once
+        check_strategy(strategy, world_size=cluster.world_size, blocks=10**9, heads=None)
+    _progress(args, f"capturing {args.model} at micro-batch {args.micro_batch}, seq {seq} …")
+    profile = profile_model(args.model, dtype=args.dtype, micro_batch=args.micro_batch, seq=seq)
+    reserve = args.reserve_gib * 2**30 if args.reserve_gib is not None else None
+    est = estimate(profile, cluster, strategy, reserve_bytes=reserve)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "cluster": cluster.name,
+                    "nodes": cluster.num_nodes,
+                    **est.to_dict(),
+                },
+                indent=2,
+            )
+        )
+        return
+    st = strategy
+    console.print(
+        f"[bold]{args.model}[/bold] on {cluster.num_nodes}× {cluster.name} ({cluster.world_size} GPUs): "
+        f"tp {st.tp} · pp {st.pp} · dp {st.dp}, ZeRO-{st.zero}, micro-batch {st.micro_batch} × "
+        f"{st.micro_batches}, global batch {st.global_batch}, seq {st.seq}, {st.schedule}"
+        f"{f' v={st.virtual_stages}' if st.virtual_stages > 1 else ''}, recompute {st.recompute}"
+        f"{', SP' if st.sequence_parallel else ''}, {st.dtype}"
+    )
+    table = Table(title="step time", show_edge=False, title_justify="left")
+    table.add_column("term")
+    table.add_column("seconds", justify="right")
+    table.add_column("share", justify="right")
+    for term, value in est.breakdown_s.items():
+        table.add_row(term.replace("_", " "), f"{value:.4f}", f"{100 * value / est.step_time_s:.1f}%")
+    table.add_row("[bold]step[/bold]", f"[bold]{est.step_time_s:.4f}[/bold]", "100%")
+    console.print(table)
+    console.print(
+        f"{est.tokens_per_s:,.0f} tokens/s · {est.tflops_per_gpu:.1f} TFLOP/s per GPU model "
+        f"(MFU {100 * est.mfu:.1f}%) · {est.hardware_tflops_per_gpu:.1f} hardware (HFU {100 * est.hfu:.1f}%)"
+    )
+    mem = Table(title="memory per GPU by pipeline stage", show_edge=False, title_justify="left")
+    cols = ("weights", "gradients", "optimizer", "activations", "loss", "comm_buffers", "reserve")
+    mem.add_column("stage")
+    for col in (*cols, "peak"):
+        mem.add_column(col.replace("_", " "), justify="right")
+    stages = list(est.memory)
+    shown = stages if len(stages) <= 8 else [*stages[:4], *stages[-4:]]
+    for m in shown:
+        row = m.to_dict()
+        mem.add_row(str(m.stage), *(format_bytes(row[c]) for c in cols), format_bytes(m.peak_bytes))
+    console.print(mem)
+    worst = max(est.memory, key=lambda m: m.peak_bytes)
+    capacity = format_bytes(est.memory_capacity_bytes)
+    if est.fits:
+        console.print(f"fits: yes (largest stage {format_bytes(worst.peak_bytes)} of {capacity})")
+    else:
+        console.print(
+            f"[bold red]does not fit[/bold red]: stage {worst.stage} needs "
+            f"{format_bytes(worst.peak_bytes)} of {capacity}; try a higher --zero, --recompute full, "
+            "a smaller --micro-batch or more --tp/--pp"
+        )
+    for note in est.notes:
+        console.print(f"[dim]note: {note}[/dim]")
 
 
 def cmd_models(args: argparse.Namespace, console: Console) -> None:
@@ -152,9 +267,7 @@ def cmd_models(args: argparse.Namespace, console: Console) -> None:
     for col in ("model", "family", "params", "seq", "shape from"):
         table.add_column(col, justify="right" if col in ("params", "seq") else "left")
     for r in rows:
-        table.add_row(
-            r["name"], r["family"], _count(r["params"]), str(r["default_seq"]), r["source"]
-        )
+        table.add_row(r["name"], r["family"], _count(r["params"]), str(r["default_seq"]), r["source"])
     console.print(table)
 
 
@@ -193,6 +306,12 @@ def cmd_clusters(args: argparse.Namespace, console: Console) -> None:
     console.print("[dim]use with --nodes N; or write a YAML file (see README)[/dim]")
 
 
+def _progress(args: argparse.Namespace, message: str) -> None:
+    """A progress line on stderr, for people at a terminal (never in --json or piped runs)."""
+    if not args.json and sys.stderr.isatty():
+        Console(stderr=True).print(f"[dim]{message}[/dim]")
+
+
 def _count(n: float) -> str:
     for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
@@ -200,7 +319,12 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-COMMANDS: dict[str, Any] = {"inspect": cmd_inspect, "models": cmd_models, "clusters": cmd_clusters}
+COMMANDS: dict[str, Any] = {
+    "inspect": cmd_inspect,
+    "estimate": cmd_estimate,
+    "models": cmd_models,
+    "clusters": cmd_clusters,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

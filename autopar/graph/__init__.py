@@ -76,6 +76,10 @@ class CapturedModel:
     """Unique parameters of the model (tied weights once)."""
     traced_blocks: int
     """Blocks traced op by op; the others were spliced copies of an identical block."""
+    hidden_size: int | None = None
+    """Width of the residual stream (last dim of what the first block reads), if found."""
+    attention_heads: int | None = None
+    """Query heads of the first attention op, if the model has one."""
     capture_s: float = field(default=0.0, compare=False)
     """Wall time of the capture in seconds."""
 
@@ -111,9 +115,7 @@ class CapturedModel:
         return out
 
 
-def example_inputs(
-    model: nn.Module, batch: int, seq: int
-) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+def example_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
     """Token ids (batch, seq) on the model's device; ``use_cache=False`` where accepted."""
     if batch < 1 or seq < 1:
         raise AutoparError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
@@ -166,6 +168,8 @@ def capture(
     layers = group_layers(gm, rb.fqn if rb is not None else find_layer_container(model))
     blocks = sum(1 for layer in layers if layer.name not in ("embed", "head"))
     return CapturedModel(
+        hidden_size=_hidden_size(gm),
+        attention_heads=_attention_heads(gm, seq),
         gm=gm,
         layers=layers,
         batch=batch,
@@ -174,6 +178,32 @@ def capture(
         traced_blocks=TRACED_BLOCKS if spliced else blocks,
         capture_s=time.perf_counter() - start,
     )
+
+
+def _hidden_size(gm: fx.GraphModule) -> int | None:
+    """Last dim of the first tensor that layer 1 reads from layer 0 (the embeddings)."""
+    for n in gm.graph.nodes:
+        feeds_block = any(u.meta.get("autopar.layer") == 1 for u in n.users)
+        if n.meta.get("autopar.layer") == 0 and n.op == "call_function" and feeds_block:
+            shape = n.meta.get("autopar.shape", ())
+            if len(shape) >= 2:
+                return int(shape[-1])
+    return None
+
+
+def _attention_heads(gm: fx.GraphModule, seq: int) -> int | None:
+    """Heads of the first attention: the query of an SDPA op (b, heads, s, d), or the first
+    explicit score tensor (b, heads, s, s)."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        shape: tuple[int, ...] = tuple(n.meta.get("autopar.shape", ()))
+        if "scaled_dot_product" in str(n.target) and isinstance(n.args[0], fx.Node):
+            q: tuple[int, ...] = tuple(n.args[0].meta.get("autopar.shape", ()))
+            return q[1] if len(q) == 4 else None
+        if len(shape) == 4 and shape[-2:] == (seq, seq):
+            return shape[1]
+    return None
 
 
 __all__ = ["CaptureError", "CapturedModel", "Layer", "LayerType", "capture", "example_inputs"]

@@ -20,7 +20,13 @@ memory, no compute) with parameters that require grad, and records per node:
   ``torch.autograd.graph.saved_tensors_hooks``. A storage is counted once,
   by the first node that saves it; parameters are not activations. The
   attention kernel is the one PyTorch picks for CPU tensors (flash attention:
-  q, k, v, output and log-sum-exp), which is also what GPU training keeps.
+  q, k, v, output and log-sum-exp), which is also what GPU training keeps;
+  dropout runs as ``native_dropout``, which keeps a 1-byte mask as on GPUs.
+- ``autopar.saved``: the saved storages behind ``saved_bytes`` as
+  ``(shape of the first view saved, bytes)`` pairs, so cost models can tell
+  residual-stream tensors (b, s, h) from tensor-parallel-sharded ones.
+- ``autopar.mem_bytes``: bytes the kernel reads and writes (tensor inputs +
+  outputs) for the roofline's memory term; 0 for ops that only make views.
 """
 
 from __future__ import annotations
@@ -83,14 +89,14 @@ class _CostInterpreter(fx.Interpreter):
         self.param_storages: set[int] = set()
         self.seen_storages: set[int] = set()
         self.keep: list[torch.Tensor] = []  # saved tensors stay alive until we are done
-        self.node_saved = 0
+        self.node_saved: list[tuple[tuple[int, ...], int]] = []
         self.counter = _FlopCounter()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key not in self.param_storages and key not in self.seen_storages:
             self.seen_storages.add(key)
-            self.node_saved += t.untyped_storage().nbytes()
+            self.node_saved.append((tuple(t.shape), t.untyped_storage().nbytes()))
         self.keep.append(t)
         return t
 
@@ -100,9 +106,7 @@ class _CostInterpreter(fx.Interpreter):
             return real
         if id(real) not in self.fakes:
             with self.mode:
-                fake = torch.empty_strided(
-                    real.shape, real.stride(), dtype=real.dtype, device="cpu"
-                )
+                fake = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="cpu")
             if isinstance(real, nn.Parameter) and real.requires_grad:
                 fake.requires_grad_(True)
                 self.param_storages.add(_storage_key(fake))
@@ -112,29 +116,37 @@ class _CostInterpreter(fx.Interpreter):
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         # A meta-device model traces ops with device=meta; we run them on fake CPU tensors.
         args, kwargs = tree_map(_cpu_device, (args, kwargs))
+        if target is _aten.dropout.default and _fused_dropout(args, kwargs):
+            # CPU dropout saves its mask in the input dtype; the GPU kernel keeps a bool mask.
+            return _aten.native_dropout.default(args[0], args[1], True)[0]
         return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
-        self.node_saved = 0
+        self.node_saved = []
         before = self.counter.flops
         with self.mode, self.counter, torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             out = super().run_node(n)
         fwd = self.counter.flops - before
         # operands that need a gradient (checked only where there is a contraction)
-        grad_operands = (
-            sum(1 for a in n.all_input_nodes if _requires_grad(self.env.get(a))) if fwd else 0
-        )
+        grad_operands = sum(1 for a in n.all_input_nodes if _requires_grad(self.env.get(a))) if fwd else 0
         first = next(_tensors(out), None)
         is_param = n.op == "get_attr" and isinstance(self.fetch_attr(str(n.target)), nn.Parameter)
         n.meta["autopar.shape"] = tuple(first.shape) if first is not None else ()
-        n.meta["autopar.dtype"] = (
-            str(first.dtype).removeprefix("torch.") if first is not None else ""
-        )
+        n.meta["autopar.dtype"] = str(first.dtype).removeprefix("torch.") if first is not None else ""
         n.meta["autopar.fwd_flops"] = fwd
         n.meta["autopar.bwd_flops"] = fwd * min(2, grad_operands)
-        n.meta["autopar.saved_bytes"] = self.node_saved
+        n.meta["autopar.saved_bytes"] = sum(nbytes for _, nbytes in self.node_saved)
+        n.meta["autopar.saved"] = tuple(self.node_saved)
+        n.meta["autopar.mem_bytes"] = 0 if _is_view(n) else _mem_bytes(n, out, self.env)
         n.meta["autopar.param_bytes"] = _param_bytes(first) if is_param else 0
         return out
+
+
+def _fused_dropout(args: Any, kwargs: Any) -> bool:
+    """Where ATen's dropout takes the fused GPU kernel: training and 0 < p < 1 (Dropout.cpp)."""
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    train = args[2] if len(args) > 2 else kwargs.get("train", True)
+    return bool(train) and 0 < p < 1
 
 
 def _cpu_device(x: Any) -> Any:
@@ -142,6 +154,26 @@ def _cpu_device(x: Any) -> Any:
 
 
 _CPU = torch.device("cpu")
+
+
+def _is_view(n: fx.Node) -> bool:
+    """Ops that alias their input (view, transpose, split, getitem, …) move no bytes."""
+    if n.op != "call_function":
+        return True
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:  # operator.getitem and other Python callables
+        return True
+    return any(r.alias_info is not None for r in schema.returns)
+
+
+def _mem_bytes(n: fx.Node, out: Any, env: dict[fx.Node, Any]) -> int:
+    """Bytes a kernel reads and writes: every tensor input plus every tensor output."""
+    read = sum(_nbytes(env.get(a)) for a in n.all_input_nodes)
+    return read + sum(t.numel() * t.element_size() for t in _tensors(out))
+
+
+def _nbytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(x))
 
 
 def _requires_grad(x: Any) -> bool:

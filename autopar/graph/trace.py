@@ -46,9 +46,7 @@ class RepeatedBlocks:
     count: int
 
 
-def export_graph(
-    model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-) -> fx.GraphModule:
+def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> fx.GraphModule:
     """Export ``model(*args, **kwargs)`` and convert it to a GraphModule rooted at ``model``.
 
     Raises ``CaptureError`` naming the module and source line when tracing fails.
@@ -77,9 +75,7 @@ def _to_graph_module(model: nn.Module, ep: ExportedProgram) -> fx.GraphModule:
             name = "_autopar_const_" + re.sub(r"\W", "_", spec.target)
             lifted[spec.arg.name] = name
             constants[name] = ep.constants[spec.target]
-    user_outputs = [
-        i for i, spec in enumerate(sig.output_specs) if spec.kind == OutputKind.USER_OUTPUT
-    ]
+    user_outputs = [i for i, spec in enumerate(sig.output_specs) if spec.kind == OutputKind.USER_OUTPUT]
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in ep.graph.nodes:
@@ -91,9 +87,7 @@ def _to_graph_module(model: nn.Module, ep: ExportedProgram) -> fx.GraphModule:
             new.meta = dict(node.meta)
         elif node.op == "output":
             outs = node.args[0]
-            picked = [
-                env[outs[i]] if isinstance(outs[i], fx.Node) else outs[i] for i in user_outputs
-            ]
+            picked = [env[outs[i]] if isinstance(outs[i], fx.Node) else outs[i] for i in user_outputs]
             graph.output(picked[0] if len(picked) == 1 else tuple(picked))
             continue
         else:
@@ -130,10 +124,7 @@ def _signature(module: nn.Module) -> tuple[Any, ...]:
                 (k, v)
                 for k, v in vars(sub).items()
                 if not k.startswith("_")
-                and (
-                    isinstance(v, plain)
-                    or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v))
-                )
+                and (isinstance(v, plain) or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v)))
             )
         )
         parts.append((name, type(sub), attrs))
@@ -213,9 +204,7 @@ def expand_repeated(gm: fx.GraphModule, rb: RepeatedBlocks, root: nn.Module) -> 
         elif current == 2 and n.op != "output":
             pass  # glue after the last block is treated as part of block 2's segment
         seg[n] = current if n.op != "output" else 3
-    body = {
-        k: [n for n in nodes if seg.get(n) == k and n.op not in ("get_attr",)] for k in (0, 1, 2)
-    }
+    body = {k: [n for n in nodes if seg.get(n) == k and n.op not in ("get_attr",)] for k in (0, 1, 2)}
     if not body[0] or not body[1] or not body[2]:
         raise NotPeriodic("a block has no nodes")
     shape0 = [_op_key(n) for n in body[0]]

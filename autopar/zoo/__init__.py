@@ -39,9 +39,7 @@ class ZooEntry:
         return self.config.max_seq_len
 
     def factory(self) -> Callable[[], nn.Module]:
-        cls: Callable[..., nn.Module] = {"gpt": GPT, "llama": Llama, "mixtral": Mixtral}[
-            self.family
-        ]
+        cls: Callable[..., nn.Module] = {"gpt": GPT, "llama": Llama, "mixtral": Mixtral}[self.family]
         return lambda: cls(self.config)
 
 

@@ -1,15 +1,17 @@
 """GPT-2 / GPT-3 / Megatron-style decoder, written as a user would write it.
 
 Learned position embeddings, pre-LayerNorm blocks, fused QKV projection,
-``F.scaled_dot_product_attention`` with a causal mask, GELU MLP of width 4h,
-output layer tied to the token embedding, no dropout (as in current
-large-scale pre-training). Parameters per layer: 12h² + 13h, so the whole
+``F.scaled_dot_product_attention`` with a causal mask (or, with
+``attention="math"``, the explicit masked softmax Megatron-LM used in
+2021–22), GELU MLP of width 4h, output layer tied to the token embedding,
+dropout 0 by default (as in current large-scale pre-training). Parameters per layer: 12h² + 13h, so the whole
 model has P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)) + 2h (final LayerNorm),
 Narayanan et al. SC'21 Eq. 2.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,18 +33,32 @@ class GPTConfig:
     """Vocabulary size (V)."""
     block_size: int = 2048
     """Maximum sequence length (s), the size of the position table."""
+    attention: str = "sdpa"
+    """``sdpa`` (F.scaled_dot_product_attention, flash where available) or ``math``
+    (explicit QKᵀ, masked softmax and attention dropout, as Megatron-LM ran in 2021–22)."""
+    dropout: float = 0.0
+    """Dropout probability on embeddings, attention scores and both residual branches."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.attention not in ("sdpa", "math"):
+            raise ValueError(f"attention must be 'sdpa' or 'math', got {self.attention!r}")
 
 
 class CausalSelfAttention(nn.Module):
+    bias: torch.Tensor
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head, self.math, self.p = cfg.n_head, cfg.attention == "math", cfg.dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.attn_dropout = nn.Dropout(cfg.dropout)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        if self.math:
+            mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+            self.register_buffer("bias", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -50,9 +66,16 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.math:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(~self.bias[:T, :T], float("-inf"))
+            y = self.attn_dropout(F.softmax(att, dim=-1)) @ v
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True
+            )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -60,9 +83,10 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -86,6 +110,7 @@ class GPT(nn.Module):
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -95,7 +120,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         _, T = idx.shape
         pos = torch.arange(T, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))

@@ -129,9 +129,7 @@ class Llama(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(
-        self, cfg: LlamaConfig, block_factory: type[TransformerBlock] | None = None
-    ) -> None:
+    def __init__(self, cfg: LlamaConfig, block_factory: type[TransformerBlock] | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)

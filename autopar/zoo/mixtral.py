@@ -37,9 +37,7 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.capacity_factor = cfg.top_k, cfg.capacity_factor
         self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(
-            [FeedForward(cfg.dim, cfg.ffn_dim) for _ in range(cfg.n_experts)]
-        )
+        self.experts = nn.ModuleList([FeedForward(cfg.dim, cfg.ffn_dim) for _ in range(cfg.n_experts)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, H = x.shape

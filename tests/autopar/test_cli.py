@@ -39,9 +39,7 @@ def test_inspect_json_zoo_gpt(capsys) -> None:
     assert rep["layer_types"][1]["count"] == 12
     names = [c["name"] for c in rep["checks"]]
     assert names[:2] == ["parameters", "step FLOPs"]
-    assert all(
-        abs(c["rel_error"]) < 0.005 for c in rep["checks"] if c["name"] != "saved bytes / layer"
-    )
+    assert all(abs(c["rel_error"]) < 0.005 for c in rep["checks"] if c["name"] != "saved bytes / layer")
 
 
 def test_inspect_table(capsys) -> None:
@@ -81,9 +79,7 @@ def test_user_errors_exit_2_with_one_line(argv, message, capsys, tmp_path) -> No
 
 def test_bad_arguments_exit_2_without_traceback() -> None:
     for argv in (["inspect", "gpt2", "--batch", "0"], ["inspect", "nope"], ["frobnicate"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "autopar", *argv], capture_output=True, text=True
-        )
+        proc = subprocess.run([sys.executable, "-m", "autopar", *argv], capture_output=True, text=True)
         assert proc.returncode == 2, argv
         assert "Traceback" not in proc.stderr
 

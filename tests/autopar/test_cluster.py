@@ -39,8 +39,7 @@ def test_yaml_round_trip(name: str, tmp_path) -> None:
 def test_yaml_with_preset_units_and_overrides(tmp_path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(
-        "preset: dgx-h100\nnum_nodes: 2\ndevice:\n  memory_bytes: 94 GB\n"
-        "inter_node:\n  latency_s: 7 us\n"
+        "preset: dgx-h100\nnum_nodes: 2\ndevice:\n  memory_bytes: 94 GB\ninter_node:\n  latency_s: 7 us\n"
     )
     c = Cluster.from_yaml(path)
     assert c.num_nodes == 2 and c.device.memory_bytes == 94e9
@@ -140,9 +139,7 @@ def test_yaml_file_errors(tmp_path) -> None:
     neg = tmp_path / "neg.yaml"
     d = _set(_full(), -80, "device", "memory_bytes")
     neg.write_text(yaml.safe_dump(d))
-    with pytest.raises(
-        ClusterSpecError, match=r"neg.yaml: device.memory_bytes: expected a positive"
-    ):
+    with pytest.raises(ClusterSpecError, match=r"neg.yaml: device.memory_bytes: expected a positive"):
         Cluster.from_yaml(neg)
 
 

@@ -45,9 +45,7 @@ def test_zoo_names_are_short_lower_case() -> None:
     [
         lambda: GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)),
         lambda: Llama(
-            LlamaConfig(
-                n_layer=2, dim=32, n_head=4, n_kv_head=2, ffn_dim=48, vocab_size=64, max_seq_len=16
-            )
+            LlamaConfig(n_layer=2, dim=32, n_head=4, n_kv_head=2, ffn_dim=48, vocab_size=64, max_seq_len=16)
         ),
         lambda: Mixtral(
             MixtralConfig(

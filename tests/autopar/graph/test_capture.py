@@ -65,9 +65,7 @@ def test_node_annotations(gpt3) -> None:
     ):
         assert all(f"autopar.{key}" in n.meta for n in nodes if n.op != "output"), key
     linears = [
-        n
-        for n in nodes
-        if "linear" in str(n.target) and n.meta["autopar.module"] == "blocks.5.attn.c_attn"
+        n for n in nodes if "linear" in str(n.target) and n.meta["autopar.module"] == "blocks.5.attn.c_attn"
     ]
     assert len(linears) == 1
     n = linears[0]
@@ -91,9 +89,9 @@ def test_spliced_graph_equals_full_trace_and_model() -> None:
     assert spliced.traced_blocks == 3
     full_gm = annotate_costs(export_graph(model, (idx,), {}))
     full_layers = group_layers(full_gm, "blocks")
-    assert [
-        (x.name, x.type, x.params, x.fwd_flops, x.bwd_flops, x.saved_bytes) for x in spliced.layers
-    ] == [(x.name, x.type, x.params, x.fwd_flops, x.bwd_flops, x.saved_bytes) for x in full_layers]
+    assert [(x.name, x.type, x.params, x.fwd_flops, x.bwd_flops, x.saved_bytes) for x in spliced.layers] == [
+        (x.name, x.type, x.params, x.fwd_flops, x.bwd_flops, x.saved_bytes) for x in full_layers
+    ]
     assert len(spliced.gm.graph.nodes) == len(full_gm.graph.nodes)
     with torch.no_grad():
         assert torch.equal(spliced.gm(idx), model(idx))  # runs on the model's own weights
@@ -104,9 +102,7 @@ def test_spliced_graph_equals_full_trace_and_model() -> None:
 class MathAttentionLM(nn.Module):
     """A GPT with explicit attention (matmul + softmax): every FLOP is a matmul PyTorch counts."""
 
-    def __init__(
-        self, n_layer: int = 5, h: int = 32, heads: int = 4, V: int = 50, T: int = 16
-    ) -> None:
+    def __init__(self, n_layer: int = 5, h: int = 32, heads: int = 4, V: int = 50, T: int = 16) -> None:
         super().__init__()
         self.heads = heads
         self.emb = nn.Embedding(V, h)
@@ -196,9 +192,7 @@ def test_uncapturable_model_gets_a_clear_error() -> None:
 
 
 def test_identical_blocks_share_a_layer_type_and_llama_on_meta() -> None:
-    cfg = LlamaConfig(
-        n_layer=7, dim=64, n_head=8, n_kv_head=2, ffn_dim=96, vocab_size=128, max_seq_len=64
-    )
+    cfg = LlamaConfig(n_layer=7, dim=64, n_head=8, n_kv_head=2, ffn_dim=96, vocab_size=128, max_seq_len=64)
     with torch.device("meta"):
         model = Llama(cfg)
     cap = capture(model, batch=2, seq=48)

@@ -1,0 +1,41 @@
+"""Compute time of a layer: per-op roofline, or a measured table when one is supplied.
+
+Roofline (Williams et al. 2009): a kernel takes
+max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth), where achievable
+FLOP/s = peak(dtype) × matmul_efficiency of the device. Under tensor
+parallelism t every op's FLOPs and its sharded tensors' bytes divide by t;
+ops on the residual stream (norms, residual adds) are replicated unless
+sequence parallelism splits them too (Korthikanti et al. 2022, §4.2.2).
+Backward ≈ 2× forward (Narayanan et al. SC'21, §3.5) unless measured.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from autopar.cluster import DeviceSpec
+from autopar.cost_models.profile import LayerCost
+
+
+class MeasuredCompute(Protocol):
+    """A measured table of forward times (the profiler's output implements this)."""
+
+    def forward_s(self, layer_type: str, *, micro_batch: int, seq: int, tp: int, sp: bool) -> float | None:
+        """Measured forward seconds of one layer, or None where not measured."""
+        ...
+
+
+def roofline_time_s(flops: float, mem_bytes: float, *, flops_per_s: float, bytes_per_s: float) -> float:
+    """max(flops / flops_per_s, mem_bytes / bytes_per_s)."""
+    return max(flops / flops_per_s, mem_bytes / bytes_per_s)
+
+
+def layer_forward_s(layer: LayerCost, device: DeviceSpec, dtype: str, *, tp: int, sp: bool) -> float:
+    """Forward seconds of one layer on one GPU: Σ over its kernels of the roofline time."""
+    rate = device.achievable_flops(dtype)
+    bw = device.hbm_bandwidth_bytes_per_s
+    total = 0.0
+    for op in layer.ops:
+        split = 1 if (op.stream and not sp) else tp
+        total += max(op.flops / tp / rate, op.mem_bytes / split / bw)
+    return total

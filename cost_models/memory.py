@@ -1,0 +1,59 @@
+"""Memory per GPU: model states under ZeRO, activations under TP/SP/recompute, in-flight micro-batches."""
+
+from __future__ import annotations
+
+from autopar.cost_models.profile import LayerCost
+
+# Bytes per parameter (Rajbhandari et al. SC'20, §3.1, mixed-precision Adam):
+# 2 (16-bit weight) + 2 (16-bit gradient) + K = 12 (fp32 master weight, momentum, variance).
+# fp32 training: 4 + 4 + 8 (momentum, variance; the weights are the master copy).
+STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
+
+
+def model_state_bytes(params: float, *, zero: int, dp: int, dtype: str) -> dict[str, float]:
+    """Weights, gradients and optimizer states per GPU for ``params`` parameters on it.
+
+    ZeRO (Rajbhandari et al. SC'20, Fig. 1) with N_d = dp: stage 0 keeps all
+    (16Ψ); stage 1 shards optimizer states (4Ψ + 12Ψ/N_d); stage 2 also
+    gradients (2Ψ + 14Ψ/N_d); stage 3 also weights (16Ψ/N_d).
+    """
+    w, g, k = STATE_BYTES[dtype]
+    return {
+        "weights": params * w / (dp if zero >= 3 else 1),
+        "gradients": params * g / (dp if zero >= 2 else 1),
+        "optimizer": params * k / (dp if zero >= 1 else 1),
+    }
+
+
+def layer_activation_bytes(layer: LayerCost, *, tp: int, sp: bool, recompute: str, input_bytes: int) -> float:
+    """Bytes one layer keeps for backward per micro-batch on one GPU.
+
+    Korthikanti et al. 2022: without parallelism sbh(34 + 5as/h) (Eq. 1); with
+    TP the residual-stream part stays whole and the rest divides by t (Eq. 2:
+    sbh(10 + 24/t + 5as/(ht))); with SP everything divides by t (Eq. 4);
+    selective recompute drops the s² attention terms; full recompute keeps
+    only the layer input, 2sbh (÷t with SP). Here the split comes from the
+    captured graph's saved tensors, not from the formula.
+    """
+    if recompute == "full":
+        return input_bytes / (tp if sp else 1)
+    stream = layer.saved_stream_bytes / (tp if sp else 1)
+    quadratic = 0 if recompute == "selective" else layer.saved_quadratic_bytes / tp
+    return stream + layer.saved_sharded_bytes / tp + quadratic
+
+
+def inflight_stage_copies(schedule: str, *, stage: int, pp: int, micro_batches: int, virtual: int) -> float:
+    """How many micro-batches' worth of a stage's activations stage ``stage`` holds at peak.
+
+    GPipe: all m (Huang et al. 2019). 1F1B: stage i holds min(p − i, m)
+    (Narayanan et al. SC'21, §2.2.1). Interleaved 1F1B with v chunks: rank i
+    runs min(2(p − i − 1) + (v − 1)·p, m·v − 1) warm-up chunk forwards before
+    its first backward (Megatron-LM schedule), so it holds that many plus one
+    chunks, each 1/v of the stage.
+    """
+    if schedule == "gpipe":
+        return float(micro_batches)
+    if schedule == "1f1b":
+        return float(min(pp - stage, micro_batches))
+    warmup = min(2 * (pp - stage - 1) + (virtual - 1) * pp, micro_batches * virtual - 1)
+    return (warmup + 1) / virtual

@@ -1,0 +1,215 @@
+"""What the cost models need from a captured graph, summarised once per layer type.
+
+``ModelProfile.from_captured(cap)`` reads the ``node.meta["autopar.*"]``
+annotations of one capture (at micro-batch b, sequence s) and keeps, per
+layer type, the per-op FLOPs and bytes (for the roofline), the saved-for-
+backward bytes split the way tensor/sequence parallelism splits them
+(Korthikanti et al. 2022, §4.2), and the bytes that Megatron-style tensor
+parallelism all-reduces. Estimates then cost nothing but arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from autopar.graph import CapturedModel
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpCost:
+    """One kernel of the forward pass."""
+
+    flops: int
+    """Forward FLOPs (split by TP)."""
+    mem_bytes: int
+    """Bytes read and written."""
+    stream: bool
+    """An op on the residual stream (b, s, h) with no FLOPs (norm, residual add):
+    replicated by tensor parallelism, split by sequence parallelism."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """One layer type at the captured micro-batch and sequence length."""
+
+    name: str
+    """Layer type name."""
+    ops: tuple[OpCost, ...]
+    """Forward kernels in order."""
+    fwd_flops: int
+    """Forward FLOPs."""
+    bwd_flops: int
+    """Backward FLOPs (model-FLOPs convention)."""
+    params: int
+    """Parameters of one layer."""
+    saved_stream_bytes: int
+    """Saved activations of the residual stream (b·s·h-sized and per-token statistics):
+    Korthikanti's replicated 10·s·b·h under TP, divided by t with SP."""
+    saved_sharded_bytes: int
+    """Saved activations that tensor parallelism splits (heads, 4h MLP, …)."""
+    saved_quadratic_bytes: int
+    """Saved attention scores with two sequence dims (…, s, s): dropped by selective recompute."""
+    quadratic_flops: int
+    """Forward FLOPs of ops producing (…, s, s) tensors: redone by selective recompute."""
+    tp_reduce_bytes: int
+    """Bytes of the row-parallel outputs that TP all-reduces in forward (e.g. 2 per block)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """A captured model reduced to per-layer-type costs."""
+
+    micro_batch: int
+    """Batch of the capture (b)."""
+    seq: int
+    """Sequence length of the capture (s)."""
+    hidden: int
+    """Residual-stream width (h)."""
+    heads: int | None
+    """Attention heads (for TP divisibility)."""
+    vocab: int
+    """Width of the model's output (logits), for the loss."""
+    act_bytes: int
+    """Bytes per activation element (2 for bf16/fp16)."""
+    layer_types: dict[str, LayerCost]
+    """Costs by layer type name."""
+    layers: tuple[str, ...]
+    """Layer type of each layer in order: embed, blocks…, head."""
+    layer_names: tuple[str, ...]
+    """Name of each layer in order (``embed``, ``blocks.0``, …, ``head``)."""
+    total_params: int
+    """Unique parameters of the model."""
+
+    @property
+    def blocks(self) -> int:
+        """Number of repeated layers (all but embed and head)."""
+        return len(self.layers) - 2
+
+    @property
+    def step_model_flops_per_sequence(self) -> float:
+        """Forward + backward FLOPs per sequence."""
+        total = sum(self.layer_types[t].fwd_flops + self.layer_types[t].bwd_flops for t in self.layers)
+        return total / self.micro_batch
+
+    @property
+    def input_bytes(self) -> int:
+        """One layer's input (b·s·h elements): what full recomputation keeps per layer."""
+        return self.micro_batch * self.seq * self.hidden * self.act_bytes
+
+    @classmethod
+    def from_captured(cls, cap: CapturedModel) -> ModelProfile:
+        """Summarise ``cap`` (needs a model with blocks and a residual stream)."""
+        if cap.hidden_size is None or len(cap.layers) < 3:
+            raise ValueError(
+                "the cost model needs a model with repeated blocks between an embedding and a head"
+            )
+        h, s = cap.hidden_size, cap.seq
+        nodes = {n.name: n for n in cap.gm.graph.nodes}
+        types: dict[str, LayerCost] = {}
+        for layer in cap.layers:
+            if layer.type not in types:
+                members = [nodes[name] for name in layer.nodes]
+                types[layer.type] = _layer_cost(layer.type, members, h, s, layer.params)
+        out = next(n for n in cap.gm.graph.nodes if n.op == "output")
+        head_out = [a for a in out.all_input_nodes if a.meta.get("autopar.shape")]
+        vocab = int(head_out[0].meta["autopar.shape"][-1]) if head_out else h
+        dtype = next(
+            (n.meta["autopar.dtype"] for n in cap.gm.graph.nodes if n.meta.get("autopar.fwd_flops")),
+            "bfloat16",
+        )
+        return cls(
+            micro_batch=cap.batch,
+            seq=s,
+            hidden=h,
+            heads=cap.attention_heads,
+            vocab=vocab,
+            act_bytes=4 if dtype == "float32" else 2,
+            layer_types=types,
+            layers=tuple(layer.type for layer in cap.layers),
+            layer_names=tuple(layer.name for layer in cap.layers),
+            total_params=cap.total_params,
+        )
+
+
+def _shape(n: fx.Node) -> tuple[int, ...]:
+    return tuple(n.meta.get("autopar.shape", ()))
+
+
+def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) -> LayerCost:
+    ops, stream_b, sharded_b, quad_b, quad_f, tp_bytes = [], 0, 0, 0, 0, 0
+    for n in members:
+        if n.op != "call_function":
+            continue
+        shape, flops = _shape(n), int(n.meta.get("autopar.fwd_flops", 0))
+        mem = int(n.meta.get("autopar.mem_bytes", 0))
+        is_stream = flops == 0 and len(shape) >= 2 and shape[-1] == h
+        if flops or mem:
+            ops.append(OpCost(flops=flops, mem_bytes=mem, stream=is_stream))
+        if any(_is_square(_shape(a), s) for a in (n, *n.all_input_nodes)):
+            quad_f += flops  # QKᵀ and scores·V: what selective recompute redoes
+        # Megatron TP: a matmul with a weight that writes the residual width h is row-parallel
+        # (its input is sharded, its output all-reduced); the others are column-parallel.
+        row_parallel = bool(flops) and shape[-1:] == (h,) and _reads_weight(n) and _sharded_input(n, h)
+        if row_parallel:
+            tp_bytes += _numel(shape) * _elem_bytes(n)
+        # Saved tensors on the residual stream stay whole under TP: the inputs of norms and
+        # residual dropouts, and the inputs of column-parallel matmuls. A row-parallel
+        # matmul's input is sharded, as are per-head tensors and the 4h MLP activations.
+        for saved_shape, nbytes in n.meta.get("autopar.saved", ()):
+            if _is_square(saved_shape, s):
+                quad_b += nbytes
+            elif saved_shape and saved_shape[-1] in (h, 1) and not row_parallel:
+                stream_b += nbytes
+            else:
+                sharded_b += nbytes
+    return LayerCost(
+        name=name,
+        ops=tuple(ops),
+        fwd_flops=sum(int(n.meta.get("autopar.fwd_flops", 0)) for n in members),
+        bwd_flops=sum(int(n.meta.get("autopar.bwd_flops", 0)) for n in members),
+        params=params,
+        saved_stream_bytes=stream_b,
+        saved_sharded_bytes=sharded_b,
+        saved_quadratic_bytes=quad_b,
+        quadratic_flops=quad_f,
+        tp_reduce_bytes=tp_bytes,
+    )
+
+
+def _is_square(shape: tuple[int, ...], s: int) -> bool:
+    """An attention-score-like tensor (…, s, s)."""
+    return len(shape) >= 2 and shape[-1] == s and shape[-2] == s
+
+
+def _sharded_input(n: fx.Node, h: int) -> bool:
+    """Does ``n`` read a tensor-parallel-sharded activation (per-head or wider than h)?
+
+    Follows the first input back through reshapes and copies (no FLOPs, same
+    element count) to the op that made it: attention output (b, a, s, d) or an
+    MLP activation (…, 4h) is sharded; a norm's (…, h) output is not.
+    """
+    a = next((x for x in n.all_input_nodes if x.op != "get_attr"), None)
+    while a is not None and a.op == "call_function" and not a.meta.get("autopar.fwd_flops"):
+        inputs = [x for x in a.all_input_nodes if x.op != "get_attr"]
+        if len(inputs) != 1 or len(inputs) != len(a.all_input_nodes):
+            break
+        if _numel(_shape(inputs[0])) != _numel(_shape(a)):
+            break
+        a = inputs[0]
+    shape = _shape(a) if a is not None else ()
+    return bool(shape) and (shape[-1] != h or len(shape) >= 4)
+
+
+def _reads_weight(n: fx.Node) -> bool:
+    return any(a.op == "get_attr" for a in n.all_input_nodes)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _elem_bytes(n: fx.Node) -> int:
+    return {"float32": 4, "float64": 8}.get(str(n.meta.get("autopar.dtype")), 2)

@@ -1,0 +1,126 @@
+"""The decisions a cost model prices: parallel degrees, ZeRO, micro-batching, schedule, recompute.
+
+``Strategy`` is the knob set of one plan; ``check_strategy`` tells in one
+line why a strategy is impossible for a model on a cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from autopar.errors import AutoparError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+class StrategyError(AutoparError):
+    """A strategy violates a constraint (the message names it)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """One parallel training configuration (what a plan decides)."""
+
+    tp: int = 1
+    """Tensor-parallel degree (innermost mesh axis, inside a node when it fits)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    dp: int = 1
+    """Data-parallel degree."""
+    zero: int = 0
+    """ZeRO stage 0–3 over the data-parallel axis."""
+    micro_batch: int = 1
+    """Sequences per micro-batch (b)."""
+    global_batch: int = 1
+    """Sequences per optimizer step (B); B = dp · b · m."""
+    seq: int = 2048
+    """Sequence length (s)."""
+    recompute: str = "none"
+    """Activation recomputation of every block: none, selective (attention core) or full."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b or interleaved."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (v); > 1 only with the interleaved schedule."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism on the TP axis (norms and dropout sharded by sequence)."""
+    dtype: str = "bf16"
+    """Compute dtype; bf16/fp16 keep fp32 master weights and Adam states."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "seq", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise StrategyError(f"{name} must be a positive integer, got {value!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise StrategyError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.recompute not in RECOMPUTE:
+            raise StrategyError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.schedule not in SCHEDULES:
+            raise StrategyError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.dtype not in DTYPES:
+            raise StrategyError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise StrategyError(
+                f"virtual stages {self.virtual_stages} need --schedule interleaved (got {self.schedule})"
+            )
+        per_replica, rem = divmod(self.global_batch, self.dp)
+        if rem:
+            raise StrategyError(f"global batch {self.global_batch} is not divisible by dp={self.dp}")
+        if per_replica % self.micro_batch:
+            raise StrategyError(
+                f"micro-batch {self.micro_batch} does not divide the per-replica batch {per_replica}"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise StrategyError("sequence parallel needs tp > 1")
+
+    @property
+    def world_size(self) -> int:
+        """GPUs the strategy uses: tp · pp · dp."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per pipeline per step: m = B / (dp · b)."""
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return asdict(self)
+
+
+def check_strategy(
+    strategy: Strategy,
+    *,
+    world_size: int,
+    blocks: int,
+    heads: int | None,
+    seq_limit: int | None = None,
+) -> None:
+    """Raise ``StrategyError`` naming the first constraint ``strategy`` violates."""
+    s = strategy
+    if s.world_size != world_size:
+        raise StrategyError(
+            f"tp·pp·dp = {s.tp}·{s.pp}·{s.dp} = {s.world_size} but the cluster has {world_size} GPUs; "
+            "change a degree or --nodes"
+        )
+    if heads is not None and heads % s.tp:
+        raise StrategyError(f"tp={s.tp} does not divide {heads} heads")
+    if s.pp * s.virtual_stages > blocks:
+        raise StrategyError(f"pp·v = {s.pp * s.virtual_stages} stages exceed the model's {blocks} layers")
+    if s.schedule == "interleaved":
+        if s.virtual_stages < 2:
+            raise StrategyError("the interleaved schedule needs --virtual-stages >= 2")
+        if blocks % (s.pp * s.virtual_stages):
+            raise StrategyError(
+                f"interleaved: {blocks} layers do not split into pp·v = {s.pp * s.virtual_stages} "
+                "equal chunks"
+            )
+        if s.micro_batches % s.pp:
+            raise StrategyError(
+                f"interleaved: {s.micro_batches} micro-batches are not a multiple of pp={s.pp}"
+            )
+    if seq_limit is not None and s.seq > seq_limit:
+        raise StrategyError(f"seq {s.seq} exceeds the model's maximum {seq_limit}")

@@ -1,0 +1,234 @@
+"""The composed estimate: activations vs Korthikanti, bubbles, published runs, ranking, errors."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from autopar import Cluster, capture
+from autopar.cli import main
+from autopar.cost_models.estimate import estimate, split_layers
+from autopar.cost_models.memory import layer_activation_bytes
+from autopar.cost_models.profile import ModelProfile
+from autopar.cost_models.published import RUNS, predict
+from autopar.cost_models.strategy import Strategy
+from autopar.costing import profile_model
+from autopar.zoo import GPT, GPTConfig
+
+S, B, H, A = 512, 2, 256, 8
+
+
+@pytest.fixture(scope="module")
+def megatron_small() -> ModelProfile:
+    """A Megatron-2022-style GPT (masked softmax, dropout): what Korthikanti's formulas describe."""
+    cfg = GPTConfig(
+        n_layer=8, n_embd=H, n_head=A, vocab_size=1024, block_size=S, attention="math", dropout=0.1
+    )
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.bfloat16)
+    return ModelProfile.from_captured(capture(model, batch=B, seq=S))
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+@pytest.mark.parametrize("variant", ["tp", "sp", "selective", "selective+sp", "full", "full+sp"])
+def test_activation_bytes_match_korthikanti(megatron_small: ModelProfile, t: int, variant: str) -> None:
+    sbh = S * B * H
+    sp = variant.endswith("sp") and t > 1
+    recompute = (
+        "selective" if variant.startswith("selective") else "full" if variant.startswith("full") else "none"
+    )
+    layer = megatron_small.layer_types["Block"]
+    got = layer_activation_bytes(
+        layer, tp=t, sp=sp, recompute=recompute, input_bytes=megatron_small.input_bytes
+    )
+    if recompute == "full":
+        expected = 2 * sbh / (t if sp else 1)  # the layer input only
+        extras = 0.0
+    elif recompute == "selective":
+        expected = 34 * sbh / t if sp else sbh * (10 + 24 / t)
+        # LayerNorm mean/rstd, which Korthikanti omits: 2 norms × 2 × b·s in bf16 (CPU kernel)
+        extras = 8 * S * B / (t if sp else 1)
+    else:
+        expected = sbh / t * (34 + 5 * A * S / H) if sp else sbh * (10 + 24 / t + 5 * A * S / (H * t))
+        # + LayerNorm statistics + each block's bool causal-mask slice (s² bytes, split with heads)
+        extras = 8 * S * B / (t if sp else 1) + S * S / t
+    assert got == pytest.approx(expected + extras, rel=1e-9)
+
+
+def test_pipeline_bubble_fraction(megatron_small: ModelProfile) -> None:
+    cluster = Cluster.preset("dgx-h100", gpus_per_node=4)
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
+        st = Strategy(pp=4, micro_batch=B, global_batch=B * 8, seq=S, schedule=schedule, virtual_stages=v)
+        est = estimate(megatron_small, cluster, st)
+        b = est.breakdown_s
+        per_mb = (b["compute"] + b["recompute"] + b["tp_comm"] + b["p2p"]) / st.micro_batches
+        assert b["bubble"] / (st.micro_batches * per_mb) == pytest.approx((4 - 1) / (v * 8))
+
+
+def test_stage_split_is_contiguous_and_balanced() -> None:
+    layers = ("embed", *["Block"] * 10, "head")
+    chunks = split_layers(layers, 4)
+    assert [len(c) for c in chunks] == [1 + 2, 3, 3, 2 + 1]
+    assert [i for c in chunks for i in c] == list(range(12))
+
+
+def test_published_runs_within_targets() -> None:
+    errors = []
+    for run in RUNS:
+        predicted, est = predict(run)
+        errors.append(abs(predicted - run.measured) / run.measured)
+        assert est.fits, run.name
+    assert statistics.median(errors) <= 0.10
+    assert max(errors) <= 0.10  # calibrated on these: each must stay close
+
+
+def test_dp_comm_crosses_nodes_and_3d_beats_pure_dp_without_zero() -> None:
+    profile = profile_model("gpt3-175b", dtype="bf16", micro_batch=1, seq=2048)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=64)  # 512 GPUs
+    three_d = estimate(
+        profile, cluster, Strategy(tp=8, pp=8, dp=8, global_batch=1536, seq=2048, recompute="full")
+    )
+    pure_dp = estimate(profile, cluster, Strategy(dp=512, global_batch=1536, seq=2048, recompute="full"))
+    assert three_d.fits and not pure_dp.fits  # 16 B/param of 175B on every GPU
+    assert any("spans nodes" in note for note in three_d.notes)
+    # ZeRO-3 over 512 GPUs pays per-layer gathers across nodes; more sharding, more traffic
+    zero3 = estimate(
+        profile, cluster, Strategy(dp=512, zero=3, global_batch=1536, seq=2048, recompute="full")
+    )
+    assert zero3.fits and zero3.memory[0].weights == pytest.approx(2 * profile.total_params / 512)
+
+
+def test_memory_breakdown_and_fit(megatron_small: ModelProfile) -> None:
+    cluster = Cluster.preset("cpu", gpus_per_node=2)
+    est = estimate(megatron_small, cluster, Strategy(dp=2, zero=1, micro_batch=B, global_batch=4 * B, seq=S))
+    m = est.memory[0]
+    params = megatron_small.total_params
+    assert m.weights == 2 * params and m.gradients == 2 * params and m.optimizer == 12 * params / 2
+    assert m.peak_bytes == pytest.approx(
+        m.weights + m.gradients + m.optimizer + m.activations + m.loss + m.comm_buffers + m.reserve
+    )
+    assert est.fits
+    tiny = estimate(
+        megatron_small,
+        cluster,
+        Strategy(dp=2, micro_batch=B, global_batch=2 * B, seq=S),
+        reserve_bytes=cluster.device.memory_bytes,
+    )
+    assert not tiny.fits
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_estimate_cli_json(capsys) -> None:
+    code, out, _ = _run(
+        capsys,
+        "estimate",
+        "gpt2",
+        "--cluster",
+        "dgx-h100",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--global-batch",
+        "64",
+        "--micro-batch",
+        "2",
+        "--seq",
+        "512",
+        "--zero",
+        "1",
+        "--recompute",
+        "selective",
+        "--sequence-parallel",
+        "--json",
+    )
+    assert code == 0
+    rep = json.loads(out)
+    for key in (
+        "step_time_s",
+        "tokens_per_s",
+        "tflops_per_gpu",
+        "hardware_tflops_per_gpu",
+        "mfu",
+        "hfu",
+        "fits",
+        "memory",
+        "breakdown_s",
+    ):
+        assert key in rep
+    assert set(rep["breakdown_s"]) == {
+        "compute",
+        "recompute",
+        "tp_comm",
+        "p2p",
+        "bubble",
+        "dp_comm",
+        "optimizer",
+    }
+    assert rep["strategy"]["dp"] == 2 and len(rep["memory"]) == 2
+    assert rep["step_time_s"] == pytest.approx(sum(rep["breakdown_s"].values()))
+    assert rep["tokens_per_s"] == pytest.approx(64 * 512 / rep["step_time_s"])
+    assert "peak_bytes" in rep["memory"][0] and "activations" in rep["memory"][0]
+
+
+def test_estimate_cli_table(capsys) -> None:
+    code, out, _ = _run(
+        capsys,
+        "estimate",
+        "llama3-8b",
+        "--cluster",
+        "dgx-h200",
+        "--tp",
+        "8",
+        "--global-batch",
+        "8",
+        "--seq",
+        "1024",
+        "--schedule",
+        "1f1b",
+    )
+    assert code == 0 and "step time" in out and "MFU" in out and "fits: yes" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tp", "3", "--dp", "1", "--cluster", "cpu"], "tp·pp·dp = 3·1·1 = 3 but the cluster has 2 GPUs"),
+        (
+            ["--tp", "8", "--pp", "2", "--dp", "4", "--nodes", "4"],
+            "tp·pp·dp = 8·2·4 = 64 but the cluster has 32",
+        ),
+        (["--tp", "3", "--pp", "1", "--dp", "8", "--nodes", "3"], "tp=3 does not divide 16 heads"),
+        (["--tp", "7", "--nodes", "8"], "tp·pp = 7 does not divide the cluster's 64 GPUs"),
+        (
+            ["--tp", "8", "--nodes", "4", "--micro-batch", "3", "--global-batch", "128"],
+            "micro-batch 3 does not divide the per-replica batch 32",
+        ),
+        (["--tp", "8", "--nodes", "4", "--global-batch", "102"], "global batch 102 is not divisible by dp=4"),
+        (["--pp", "32", "--dp", "1", "--nodes", "4"], "pp·v = 32 stages exceed the model's 24 layers"),
+        (
+            ["--pp", "2", "--tp", "4", "--nodes", "1", "--schedule", "interleaved", "--virtual-stages", "5"],
+            "interleaved: 24 layers do not split into pp·v = 10 equal chunks",
+        ),
+        (
+            ["--pp", "4", "--nodes", "1", "--schedule", "interleaved", "--global-batch", "4"],
+            "interleaved: 2 micro-batches are not a multiple of pp=4",
+        ),
+        (["--tp", "8", "--virtual-stages", "2"], "virtual stages 2 need --schedule interleaved"),
+        (["--sequence-parallel", "--dp", "8"], "sequence parallel needs tp > 1"),
+        (["--cluster", "dgx-z"], "unknown cluster preset 'dgx-z'"),
+    ],
+)
+def test_invalid_plans_exit_2_with_one_line(capsys, argv, message) -> None:
+    base = ["estimate", "gpt2-medium", "--seq", "256", "--global-batch", "128", "--cluster", "dgx-h100"]
+    code, _, err = _run(capsys, *base, *argv)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
