@@ -10,8 +10,11 @@ For n ranks, S bytes, per-rank bandwidth β and per-message latency α
 A group whose ranks are ``stride`` apart spans nodes when stride·n exceeds
 the GPUs of a node. Its ring then crosses the inter-node network, whose
 per-node bandwidth is shared by the GPUs of the node that communicate at
-the same time: min(stride, gpus_per_node) groups of the same mesh axis run
-concurrently from each node, so each gets inter_bw / min(stride, gpn).
+the same time (shared/REFERENCES.md). Every rank runs the collectives of a
+mesh axis at the same moment, so all gpus_per_node GPUs of a node share it:
+each gets inter_bw / gpus_per_node (on a DGX, its own NIC: 200 Gb/s of
+8×200 Gb/s). NCCL's multi-ring all-reduce can do better than this for a
+single group that owns whole nodes; the model does not assume it.
 """
 
 from __future__ import annotations
@@ -44,8 +47,7 @@ def group_link(cluster: Cluster, *, size: int, stride: int) -> GroupLink:
             latency_s=link.latency_s,
             crosses_nodes=False,
         )
-    concurrent = min(stride, gpn)
-    per_group = cluster.inter_node.bandwidth_bytes_per_s / concurrent
+    per_group = cluster.inter_node.bandwidth_bytes_per_s / gpn
     return GroupLink(
         bandwidth_bytes_per_s=min(cluster.intra_node.bandwidth_bytes_per_s, per_group),
         latency_s=cluster.inter_node.latency_s,

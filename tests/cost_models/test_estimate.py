@@ -101,6 +101,36 @@ def test_dp_comm_crosses_nodes_and_3d_beats_pure_dp_without_zero() -> None:
     assert zero3.fits and zero3.memory[0].weights == pytest.approx(2 * profile.total_params / 512)
 
 
+def test_zero3_alone_collapses_at_scale_where_3d_does_not() -> None:
+    """Narayanan et al. SC'21 §5.2: ZeRO-3 without model parallelism on the 175B model loses
+    throughput per GPU as GPUs double at a fixed batch (cross-node traffic); PTD-P barely does."""
+    three_d_profile = profile_model("gpt3-175b", dtype="bf16", micro_batch=1, seq=2048)
+    zero3, three_d = [], []
+    for nodes, b in ((96, 2), (192, 1)):  # 768 and 1536 GPUs, global batch 1536
+        cluster = Cluster.preset("dgx-a100-80g", nodes=nodes)
+        n = cluster.world_size
+        z_profile = profile_model("gpt3-175b", dtype="bf16", micro_batch=b, seq=2048)
+        zero3.append(
+            estimate(
+                z_profile,
+                cluster,
+                Strategy(dp=n, zero=3, micro_batch=b, global_batch=1536, seq=2048, recompute="full"),
+            )
+        )
+        three_d.append(
+            estimate(
+                three_d_profile,
+                cluster,
+                Strategy(tp=8, pp=8, dp=n // 64, global_batch=1536, seq=2048, recompute="full"),
+            )
+        )
+    for z, d in zip(zero3, three_d, strict=True):
+        assert z.fits and d.fits
+        assert z.tflops_per_gpu < 0.6 * d.tflops_per_gpu
+    assert zero3[1].tflops_per_gpu < 0.6 * zero3[0].tflops_per_gpu  # communication-bound
+    assert three_d[1].tflops_per_gpu > 0.9 * three_d[0].tflops_per_gpu
+
+
 def test_memory_breakdown_and_fit(megatron_small: ModelProfile) -> None:
     cluster = Cluster.preset("cpu", gpus_per_node=2)
     est = estimate(megatron_small, cluster, Strategy(dp=2, zero=1, micro_batch=B, global_batch=4 * B, seq=S))
