@@ -28,7 +28,7 @@ def main() -> None:
     )
     cluster = autopar.Cluster.preset("dgx-h100", nodes=8)
     ideal_s = captured.step_flops / (cluster.world_size * cluster.device.achievable_flops("bf16"))
-    print(f"on {cluster.world_size}× H100 at 80% of peak: ideal compute {ideal_s * 1e3:.0f} ms/step")
+    print(f"on {cluster.world_size}× H100, compute alone: {ideal_s * 1e3:.0f} ms/step")
 
 
 if __name__ == "__main__":
