@@ -66,7 +66,16 @@ def allgather_time_s(size_bytes: float, n: int, link: GroupLink) -> float:
     """Ring all-gather of a ``size_bytes`` result: (n−1)·α + (n−1)/n·S/β."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    return (n - 1) * link.latency_s + (n - 1) / n * size_bytes / link.bandwidth_bytes_per_s
+    latency_s, s_per_byte = allgather_coefficients(n, link)
+    return latency_s + s_per_byte * size_bytes
+
+
+def allgather_coefficients(n: int, link: GroupLink) -> tuple[float, float]:
+    """(latency (n−1)·α, seconds per byte (n−1)/(n·β)) of a ring all-gather or reduce-scatter;
+    an all-reduce costs twice both. (0, 0) for a single rank."""
+    if n <= 1:
+        return 0.0, 0.0
+    return (n - 1) * link.latency_s, (n - 1) / n / link.bandwidth_bytes_per_s
 
 
 def reduce_scatter_time_s(size_bytes: float, n: int, link: GroupLink) -> float:

@@ -22,26 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import Cluster
-from autopar.cost_models import comm
-from autopar.cost_models.compute import MeasuredCompute, layer_forward_s
-from autopar.cost_models.memory import (
-    inflight_stage_copies,
-    layer_activation_bytes,
-    model_state_bytes,
-)
+from autopar.cost_models.compute import MeasuredCompute
 from autopar.cost_models.profile import ModelProfile
 from autopar.cost_models.strategy import Strategy, check_strategy
-
-ADAM_BYTES_PER_PARAM = 30
-"""Adam step traffic: read fp32 master, m, v, grad (16 B); write master, m, v, 16-bit weight (14 B)."""
-GRAD_REDUCE_BYTES = {"bf16": 4, "fp16": 2, "fp32": 4}
-"""Bytes per gradient element in the DP reduction (bf16 training reduces in fp32)."""
-DDP_BUCKET_BYTES = 25 * 2**20
-"""DDP/FSDP gradient bucket (PyTorch default 25 MiB); two are in flight."""
-CUDA_CONTEXT_BYTES = 2**30
-"""Memory the CUDA context and NCCL take before any tensor (~1 GiB)."""
-FRAGMENTATION = 0.05
-"""Share of device memory kept back for allocator fragmentation."""
+from autopar.cost_models.terms import build_terms, dp_exposed_s, rank_load, rank_memory_terms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,22 +108,6 @@ class Estimate:
         }
 
 
-def split_layers(layers: tuple[str, ...], chunks: int) -> list[list[int]]:
-    """Contiguous layer indices per chunk: blocks split evenly (extras to the middle chunks),
-    embedding with the first chunk, head with the last."""
-    blocks = list(range(1, len(layers) - 1))
-    base, extra = divmod(len(blocks), chunks)
-    order = sorted(range(chunks), key=lambda c: abs(c - (chunks - 1) / 2))[:extra]
-    out, start = [], 0
-    for c in range(chunks):
-        n = base + (1 if c in order else 0)
-        out.append(blocks[start : start + n])
-        start += n
-    out[0].insert(0, 0)
-    out[-1].append(len(layers) - 1)
-    return out
-
-
 def estimate(
     profile: ModelProfile,
     cluster: Cluster,
@@ -156,161 +124,52 @@ def estimate(
             f"profile captured at micro-batch {profile.micro_batch}, seq {profile.seq}; "
             f"strategy has {st.micro_batch}, {st.seq}"
         )
-    device, t, p, v, m = cluster.device, st.tp, st.pp, st.virtual_stages, st.micro_batches
+    terms = build_terms(profile, cluster, st, measured=measured, reserve_bytes=reserve_bytes)
     notes: list[str] = []
+    if terms.tp_crosses_nodes:
+        notes.append(f"tp={st.tp} spans nodes: its collectives use the inter-node network")
+    if terms.dp_crosses_nodes:
+        per_gpu = cluster.inter_node.bandwidth_bytes_per_s / cluster.gpus_per_node
+        notes.append(f"dp={st.dp} spans nodes ({per_gpu / 1e9:.0f} GB/s per GPU)")
+    if measured is not None:
+        for name in profile.layer_types:
+            if (
+                measured.forward_s(
+                    name, micro_batch=st.micro_batch, seq=st.seq, tp=st.tp, sp=st.sequence_parallel
+                )
+                is None
+            ):
+                notes.append(f"{name}: not in the measured profile, roofline used")
 
-    # -- per layer type: forward compute, TP collectives, activations (one micro-batch) --
-    tp_link = comm.group_link(cluster, size=t, stride=1)
-    if tp_link.crosses_nodes:
-        notes.append(f"tp={t} spans nodes: its collectives use the inter-node network")
-    fwd_s, tp_s, act, recompute_s = {}, {}, {}, {}
-    for name, lc in profile.layer_types.items():
-        got = (
-            measured.forward_s(name, micro_batch=st.micro_batch, seq=st.seq, tp=t, sp=st.sequence_parallel)
-            if measured
-            else None
-        )
-        fwd_s[name] = (
-            got if got is not None else layer_forward_s(lc, device, st.dtype, tp=t, sp=st.sequence_parallel)
-        )
-        if measured is not None and got is None:
-            notes.append(f"{name}: not in the measured profile, roofline used")
-        tp_s[name] = comm.allreduce_time_s(lc.tp_reduce_bytes, t, tp_link)
-        act[name] = layer_activation_bytes(
-            lc,
-            tp=t,
-            sp=st.sequence_parallel,
-            recompute=st.recompute,
-            input_bytes=profile.input_bytes,
-        )
-        if st.recompute == "full" and name not in ("embed", "head"):
-            recompute_s[name] = fwd_s[name]
-        elif st.recompute == "selective":
-            recompute_s[name] = lc.quadratic_flops / t / device.achievable_flops(st.dtype)
-        else:
-            recompute_s[name] = 0.0
-
-    # -- stages: chunk c runs on rank c % p --
-    chunks = split_layers(profile.layers, p * v)
-    ranks: list[list[int]] = [[] for _ in range(p)]
-    for c, idx in enumerate(chunks):
-        ranks[c % p].extend(idx)
-    types = profile.layers
-
-    def total(values: dict[str, float], idx: list[int]) -> float:
-        return sum(values[types[i]] for i in idx)
-
-    per_rank = []
-    for idx in ranks:
-        f = total(fwd_s, idx)
-        tpc = total(tp_s, idx)
-        rc = total(recompute_s, idx)
-        rc_tp = tpc if st.recompute == "full" else 0.0
-        per_rank.append({"fwd": f, "bwd": 2 * f, "recompute": rc, "tp": 2 * tpc + rc_tp})
-    slow = max(range(p), key=lambda r: sum(per_rank[r].values()))
-    r = per_rank[slow]
-    p2p_bytes = st.micro_batch * st.seq * profile.hidden * profile.act_bytes / t
-    pp_link = comm.group_link(cluster, size=p, stride=t * st.dp)
-    p2p_s = 2 * v * comm.p2p_time_s(p2p_bytes, pp_link) if p > 1 else 0.0
-    t_mb = r["fwd"] + r["bwd"] + r["recompute"] + r["tp"] + p2p_s
-    bubble = (p - 1) / v * t_mb
-
-    # -- data parallel / ZeRO (per rank; the slowest rank's exposure counts) --
-    dp_link = comm.group_link(cluster, size=st.dp, stride=t)
-    dp_exposed, opt_s = 0.0, 0.0
-    rank_params = [sum(profile.layer_types[types[i]].params for i in idx) / t for idx in ranks]
-    for k, idx in enumerate(ranks):
-        params, n_layers = rank_params[k], max(len(idx), 1)
-        grad_bytes = params * GRAD_REDUCE_BYTES[st.dtype]
-        weight_bytes = params * (4 if st.dtype == "fp32" else 2)
-        work = per_rank[k]
-        bwd_total = work["bwd"] + work["recompute"]
-        overlap = bwd_total * (n_layers - 1) / n_layers  # all but the first layer's backward
-        if st.zero == 0:  # one gradient all-reduce after the last micro-batch
-            exposed = max(0.0, comm.allreduce_time_s(grad_bytes, st.dp, dp_link) - overlap)
-        elif st.zero == 1:  # reduce-scatter once; all-gather the updated weights (exposed)
-            exposed = max(0.0, comm.reduce_scatter_time_s(grad_bytes, st.dp, dp_link) - overlap)
-            exposed += comm.allgather_time_s(weight_bytes, st.dp, dp_link)
-        else:
-            # Gradients are sharded, so every micro-batch's are reduce-scattered (layer by
-            # layer, each paying the ring latency); ZeRO-3 also gathers each layer's weights
-            # for forward, backward and any recomputed forward.
-            lat = n_layers * (st.dp - 1) * dp_link.latency_s
-            rs = comm.reduce_scatter_time_s(grad_bytes, st.dp, dp_link) + lat
-            if st.zero == 2:
-                exposed = m * max(0.0, rs - overlap) + comm.allgather_time_s(weight_bytes, st.dp, dp_link)
-            else:
-                ag = comm.allgather_time_s(weight_bytes, st.dp, dp_link) + lat
-                bwd_gathers = 2 if st.recompute == "full" else 1
-                exposed = m * (max(0.0, ag - work["fwd"]) + max(0.0, bwd_gathers * ag + rs - bwd_total))
-        dp_exposed = max(dp_exposed, exposed)
-        owned = params / (st.dp if st.zero >= 1 else 1)
-        opt_s = max(opt_s, owned * ADAM_BYTES_PER_PARAM / device.hbm_bandwidth_bytes_per_s)
-    if dp_link.crosses_nodes and st.dp > 1:
-        notes.append(f"dp={st.dp} spans nodes ({dp_link.bandwidth_bytes_per_s / 1e9:.0f} GB/s per GPU)")
-
+    counts = st.blocks_per_rank(profile.blocks)
+    loads = [rank_load(terms, k, c) for k, c in enumerate(counts)]
+    m, p, v = st.micro_batches, st.pp, st.virtual_stages
+    slow = max(range(p), key=lambda k: loads[k].time_s)
+    r = loads[slow]
+    t_mb = r.time_s + terms.p2p_s
     breakdown = {
-        "compute": m * (r["fwd"] + r["bwd"]),
-        "recompute": m * r["recompute"],
-        "tp_comm": m * r["tp"],
-        "p2p": m * p2p_s,
-        "bubble": bubble,
-        "dp_comm": dp_exposed,
-        "optimizer": opt_s,
+        "compute": m * r.compute_s,
+        "recompute": m * r.recompute_s,
+        "tp_comm": m * r.tp_s,
+        "p2p": m * terms.p2p_s,
+        "bubble": (p - 1) / v * t_mb,
+        "dp_comm": max(dp_exposed_s(terms, load) for load in loads),
+        "optimizer": max(load.params * terms.opt_s_per_param for load in loads),
     }
     step = sum(breakdown.values())
-
-    # -- memory per rank --
-    reserve = (
-        reserve_bytes
-        if reserve_bytes is not None
-        else CUDA_CONTEXT_BYTES + FRAGMENTATION * device.memory_bytes
-    )
-    mem = []
-    for k, idx in enumerate(ranks):
-        states = model_state_bytes(rank_params[k], zero=st.zero, dp=st.dp, dtype=st.dtype)
-        copies = inflight_stage_copies(st.schedule, stage=k, pp=p, micro_batches=m, virtual=v)
-        activations = copies * sum(act[types[i]] for i in idx)
-        if st.recompute == "full":  # one layer rematerialised during its backward
-            activations += max(
-                layer_activation_bytes(
-                    profile.layer_types[types[i]],
-                    tp=t,
-                    sp=st.sequence_parallel,
-                    recompute="none",
-                    input_bytes=profile.input_bytes,
-                )
-                for i in idx
-            )
-        last = len(types) - 1 in idx
-        loss = st.micro_batch * st.seq * profile.vocab / t * 8 if last else 0.0  # fp32 logits + grad
-        buffers = 2 * DDP_BUCKET_BYTES * (st.dp > 1) + 2 * p2p_bytes * t * (t > 1)
-        if st.zero == 3:
-            biggest = max(profile.layer_types[types[i]].params for i in idx) / t
-            buffers += 2 * biggest * (4 if st.dtype == "fp32" else 2)
-        mem.append(
-            StageMemory(
-                stage=k,
-                **states,
-                activations=activations,
-                loss=loss,
-                comm_buffers=buffers,
-                reserve=reserve,
-            )
-        )
+    mem = tuple(StageMemory(stage=k, **rank_memory_terms(terms, k, load)) for k, load in enumerate(loads))
 
     tokens = st.global_batch * st.seq
+    sequences_per_micro_batch = profile.micro_batch
     model_flops = profile.step_model_flops_per_sequence * st.global_batch
-    recompute_flops = 0.0
-    for i in range(len(types)):
-        lc = profile.layer_types[types[i]]
-        if st.recompute == "full" and types[i] not in ("embed", "head"):
-            recompute_flops += lc.fwd_flops
-        elif st.recompute == "selective":
-            recompute_flops += lc.quadratic_flops
-    hardware_flops = model_flops + recompute_flops * st.global_batch / profile.micro_batch
+    recompute_flops = sum(
+        n * terms.block[r_].recompute_flops
+        for c in counts
+        for r_, n in zip(("none", "selective", "full"), c, strict=True)
+    )
+    hardware_flops = model_flops + recompute_flops * st.global_batch / sequences_per_micro_batch
     world = st.world_size
-    peak = device.peak_flops.get(st.dtype, device.peak_flops["bf16"])
+    peak = cluster.device.peak_flops.get(st.dtype, cluster.device.peak_flops["bf16"])
     tflops = model_flops / step / world / 1e12
     hw_tflops = hardware_flops / step / world / 1e12
     return Estimate(
@@ -322,8 +181,28 @@ def estimate(
         hardware_tflops_per_gpu=hw_tflops,
         mfu=tflops * 1e12 / peak,
         hfu=hw_tflops * 1e12 / peak,
-        memory=tuple(mem),
-        memory_capacity_bytes=float(device.memory_bytes),
-        stage_layers=tuple(tuple(profile.layer_names[i] for i in idx) for idx in ranks),
+        memory=mem,
+        memory_capacity_bytes=float(cluster.device.memory_bytes),
+        stage_layers=tuple(tuple(names) for names in stage_layer_names(profile, st)),
         notes=tuple(notes),
     )
+
+
+def stage_layer_names(profile: ModelProfile, st: Strategy) -> list[list[str]]:
+    """Layer names per pipeline rank: contiguous blocks per stage (or v equal chunks per rank,
+    chunk c on rank c mod p), the embedding on rank 0 and the head on the last rank."""
+    names = profile.layer_names
+    blocks = list(names[1:-1])
+    ranks: list[list[str]] = [[] for _ in range(st.pp)]
+    if st.virtual_stages > 1:
+        size = len(blocks) // (st.pp * st.virtual_stages)
+        for c in range(st.pp * st.virtual_stages):
+            ranks[c % st.pp].extend(blocks[c * size : (c + 1) * size])
+    else:
+        start = 0
+        for k, counts in enumerate(st.blocks_per_rank(len(blocks))):
+            ranks[k].extend(blocks[start : start + sum(counts)])
+            start += sum(counts)
+    ranks[0].insert(0, names[0])
+    ranks[-1].append(names[-1])
+    return ranks

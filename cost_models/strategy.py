@@ -48,6 +48,10 @@ class Strategy:
     """Megatron sequence parallelism on the TP axis (norms and dropout sharded by sequence)."""
     dtype: str = "bf16"
     """Compute dtype; bf16/fp16 keep fp32 master weights and Adam states."""
+    layout: tuple[tuple[int, int, int], ...] = ()
+    """Blocks per pipeline rank as (no recompute, selective, full) counts, rank 0 first;
+    empty: an even split with ``recompute`` for every block. The embedding runs on rank 0,
+    the head on the last rank; with interleaving each rank's blocks form v equal chunks."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "seq", "virtual_stages"):
@@ -75,6 +79,14 @@ class Strategy:
             )
         if self.sequence_parallel and self.tp == 1:
             raise StrategyError("sequence parallel needs tp > 1")
+        if self.layout and len(self.layout) != self.pp:
+            raise StrategyError(f"layout has {len(self.layout)} stages but pp={self.pp}")
+        for k, counts in enumerate(self.layout):
+            if len(counts) != 3 or any(not isinstance(c, int) or c < 0 for c in counts) or sum(counts) < 1:
+                raise StrategyError(
+                    f"layout stage {k}: expected 3 non-negative block counts, at least one block; "
+                    f"got {counts!r}"
+                )
 
     @property
     def world_size(self) -> int:
@@ -86,9 +98,36 @@ class Strategy:
         """Micro-batches per pipeline per step: m = B / (dp · b)."""
         return self.global_batch // (self.dp * self.micro_batch)
 
+    def blocks_per_rank(self, blocks: int) -> list[tuple[int, int, int]]:
+        """(none, selective, full) block counts per rank: the layout, or an even split
+        (chunk c of p·v runs on rank c mod p) with ``recompute`` everywhere."""
+        if self.layout:
+            return list(self.layout)
+        chunks = even_split(blocks, self.pp * self.virtual_stages)
+        index = RECOMPUTE.index(self.recompute)
+        totals = [sum(chunks[r :: self.pp]) for r in range(self.pp)]
+        return [(n if index == 0 else 0, n if index == 1 else 0, n if index == 2 else 0) for n in totals]
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return asdict(self)
+        d = asdict(self)
+        d["layout"] = [list(c) for c in self.layout]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Strategy:
+        """Inverse of ``to_dict``."""
+        d = dict(d)
+        d["layout"] = tuple(tuple(c) for c in d.get("layout", ()))
+        return cls(**d)
+
+
+def even_split(blocks: int, chunks: int) -> list[int]:
+    """Blocks per chunk, as even as possible; the extras go to the middle chunks
+    (the first holds the embedding and the most in-flight activations, the last the head)."""
+    base, extra = divmod(blocks, chunks)
+    middle = sorted(range(chunks), key=lambda c: abs(c - (chunks - 1) / 2))[:extra]
+    return [base + (1 if c in middle else 0) for c in range(chunks)]
 
 
 def check_strategy(
@@ -110,6 +149,8 @@ def check_strategy(
         raise StrategyError(f"tp={s.tp} does not divide {heads} heads")
     if s.pp * s.virtual_stages > blocks:
         raise StrategyError(f"pp·v = {s.pp * s.virtual_stages} stages exceed the model's {blocks} layers")
+    if s.layout and sum(map(sum, s.layout)) != blocks:
+        raise StrategyError(f"layout places {sum(map(sum, s.layout))} blocks but the model has {blocks}")
     if s.schedule == "interleaved":
         if s.virtual_stages < 2:
             raise StrategyError("the interleaved schedule needs --virtual-stages >= 2")
@@ -122,5 +163,7 @@ def check_strategy(
             raise StrategyError(
                 f"interleaved: {s.micro_batches} micro-batches are not a multiple of pp={s.pp}"
             )
+        if s.layout and any(sum(c) != blocks // s.pp for c in s.layout):
+            raise StrategyError("interleaved: every rank must hold the same number of blocks")
     if seq_limit is not None and s.seq > seq_limit:
         raise StrategyError(f"seq {s.seq} exceeds the model's maximum {seq_limit}")

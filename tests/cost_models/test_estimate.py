@@ -10,11 +10,11 @@ import torch
 
 from autopar import Cluster, capture
 from autopar.cli import main
-from autopar.cost_models.estimate import estimate, split_layers
+from autopar.cost_models.estimate import estimate, stage_layer_names
 from autopar.cost_models.memory import layer_activation_bytes
 from autopar.cost_models.profile import ModelProfile
 from autopar.cost_models.published import RUNS, predict
-from autopar.cost_models.strategy import Strategy
+from autopar.cost_models.strategy import Strategy, even_split
 from autopar.costing import profile_model
 from autopar.zoo import GPT, GPTConfig
 
@@ -68,11 +68,16 @@ def test_pipeline_bubble_fraction(megatron_small: ModelProfile) -> None:
         assert b["bubble"] / (st.micro_batches * per_mb) == pytest.approx((4 - 1) / (v * 8))
 
 
-def test_stage_split_is_contiguous_and_balanced() -> None:
-    layers = ("embed", *["Block"] * 10, "head")
-    chunks = split_layers(layers, 4)
-    assert [len(c) for c in chunks] == [1 + 2, 3, 3, 2 + 1]
-    assert [i for c in chunks for i in c] == list(range(12))
+def test_stage_split_is_contiguous_and_balanced(megatron_small: ModelProfile) -> None:
+    assert even_split(10, 4) == [2, 3, 3, 2]  # extras to the middle stages
+    st = Strategy(pp=4, micro_batch=B, global_batch=8 * B, seq=S)
+    names = stage_layer_names(megatron_small, st)
+    assert [len(n) for n in names] == [1 + 2, 2, 2, 2 + 1]
+    assert [x for n in names for x in n] == list(megatron_small.layer_names)
+    laid = Strategy(
+        pp=4, micro_batch=B, global_batch=8 * B, seq=S, layout=((1, 0, 0), (3, 0, 0), (2, 1, 0), (0, 0, 1))
+    )
+    assert [len(n) for n in stage_layer_names(megatron_small, laid)] == [2, 3, 3, 2]
 
 
 def test_published_runs_within_targets() -> None:

@@ -1,0 +1,295 @@
+"""The cost model as linear terms: what one block costs under each recompute choice.
+
+For one choice of the "outer" knobs (tp, pp, dp, ZeRO, micro-batch, schedule,
+sequence parallelism, dtype) every per-rank quantity the estimate needs —
+time per micro-batch, parameters, activation bytes, data-parallel traffic —
+is linear in how many blocks of each recompute kind the rank holds. ``Terms``
+holds those coefficients. ``estimate`` evaluates them for a given layout and
+the planner's ILP minimises over layouts with the very same coefficients, so
+a plan's ILP objective equals its estimate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+from autopar.cost_models import comm
+from autopar.cost_models.compute import MeasuredCompute, layer_forward_s
+from autopar.cost_models.memory import (
+    STATE_BYTES,
+    inflight_stage_copies,
+    layer_activation_bytes,
+)
+from autopar.cost_models.profile import ModelProfile
+from autopar.cost_models.strategy import RECOMPUTE, Strategy
+
+ADAM_BYTES_PER_PARAM = 30
+"""Adam step traffic: read fp32 master, m, v, grad (16 B); write master, m, v, 16-bit weight (14 B)."""
+GRAD_REDUCE_BYTES = {"bf16": 4, "fp16": 2, "fp32": 4}
+"""Bytes per gradient element in the DP reduction (bf16 training reduces in fp32)."""
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DDP/FSDP gradient bucket (PyTorch default 25 MiB); two are in flight."""
+CUDA_CONTEXT_BYTES = 2**30
+"""Memory the CUDA context and NCCL take before any tensor (~1 GiB)."""
+FRAGMENTATION = 0.05
+"""Share of device memory kept back for allocator fragmentation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unit:
+    """One layer with one recompute choice, per micro-batch, on one GPU."""
+
+    fwd_s: float
+    """Forward compute."""
+    recompute_s: float
+    """Compute redone in backward (a forward for full, the attention core for selective)."""
+    tp_s: float
+    """Tensor-parallel collectives: forward + backward, + forward again under full recompute."""
+    act_bytes: float
+    """Activations kept until backward."""
+    act_full_bytes: float
+    """Activations without recompute (rematerialised for one layer at a time under full)."""
+    params: float
+    """Parameters on this GPU (÷ tp)."""
+    fwd_flops: float
+    """Forward FLOPs (whole layer, for throughput)."""
+    recompute_flops: float
+    """FLOPs redone in backward (whole layer)."""
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward (≈ 2× forward, Narayanan et al. SC'21 §3.5)."""
+        return 3 * self.fwd_s
+
+    @property
+    def bwd_s(self) -> float:
+        """Backward including recomputation."""
+        return 2 * self.fwd_s + self.recompute_s
+
+    @property
+    def time_s(self) -> float:
+        """Everything on the critical path of one micro-batch."""
+        return self.compute_s + self.recompute_s + self.tp_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Terms:
+    """Coefficients of every per-rank quantity for one set of outer knobs."""
+
+    strategy: Strategy
+    block: dict[str, Unit]
+    """By recompute choice: none, selective, full."""
+    embed: Unit
+    head: Unit
+    block_type: str
+    p2p_s: float
+    """Point-to-point per micro-batch on every rank (2v sends when pp > 1)."""
+    inflight: tuple[float, ...]
+    """Micro-batches of activations each rank holds at peak."""
+    state_bytes_per_param: float
+    """Weights + gradients + optimizer bytes per parameter on a GPU after ZeRO sharding."""
+    weight_bytes: int
+    grad_bytes: int
+    lat_s: float
+    """Ring latency (dp−1)·α of one all-gather/reduce-scatter over the DP group."""
+    s_per_byte: float
+    """(dp−1)/(dp·β) of one all-gather/reduce-scatter over the DP group."""
+    opt_s_per_param: float
+    """Optimizer seconds per parameter on a GPU (÷ dp under ZeRO ≥ 1)."""
+    loss_bytes: float
+    """fp32 logits and their gradient on the last rank."""
+    buffers: tuple[float, ...]
+    """Communication buffers per rank."""
+    reserve_bytes: float
+    dp_crosses_nodes: bool
+    tp_crosses_nodes: bool
+
+
+def build_terms(
+    profile: ModelProfile,
+    cluster: Cluster,
+    st: Strategy,
+    *,
+    measured: MeasuredCompute | None = None,
+    reserve_bytes: float | None = None,
+) -> Terms:
+    """The coefficients for ``st``'s outer knobs (its layout is ignored)."""
+    device, t, sp = cluster.device, st.tp, st.sequence_parallel
+    rate = device.achievable_flops(st.dtype)
+    tp_link = comm.group_link(cluster, size=t, stride=1)
+    block_types = {name for name in profile.layers[1:-1]}
+    assert len(block_types) == 1, f"blocks of several types: {sorted(block_types)}"
+    (block_type,) = block_types
+
+    def unit(name: str, recompute: str) -> Unit:
+        lc = profile.layer_types[name]
+        got = (
+            measured.forward_s(name, micro_batch=st.micro_batch, seq=st.seq, tp=t, sp=sp)
+            if measured
+            else None
+        )
+        fwd = got if got is not None else layer_forward_s(lc, device, st.dtype, tp=t, sp=sp)
+        tp_one = comm.allreduce_time_s(lc.tp_reduce_bytes, t, tp_link)
+        rc_flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}
+        full_act = layer_activation_bytes(lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes)
+        return Unit(
+            fwd_s=fwd,
+            recompute_s=fwd if recompute == "full" else rc_flops[recompute] / t / rate,
+            tp_s=tp_one * (3 if recompute == "full" else 2),
+            act_bytes=layer_activation_bytes(
+                lc, tp=t, sp=sp, recompute=recompute, input_bytes=profile.input_bytes
+            ),
+            act_full_bytes=full_act,
+            params=lc.params / t,
+            fwd_flops=float(lc.fwd_flops),
+            recompute_flops=rc_flops[recompute],
+        )
+
+    p, v, m = st.pp, st.virtual_stages, st.micro_batches
+    p2p_bytes = st.micro_batch * st.seq * profile.hidden * profile.act_bytes / t  # scatter/gather: ÷t
+    pp_link = comm.group_link(cluster, size=p, stride=t * st.dp)
+    dp_link = comm.group_link(cluster, size=st.dp, stride=t)
+    lat, s_per_byte = comm.allgather_coefficients(st.dp, dp_link)
+    w, g, k = STATE_BYTES[st.dtype]
+    shard = st.dp
+    state = (
+        w / (shard if st.zero >= 3 else 1)
+        + g / (shard if st.zero >= 2 else 1)
+        + k / (shard if st.zero >= 1 else 1)
+    )
+    embed, head = unit("embed", "none"), unit("head", "none")
+    blocks = {r: unit(block_type, r) for r in RECOMPUTE}
+    base_buffers = 2 * DDP_BUCKET_BYTES * (st.dp > 1) + 2 * p2p_bytes * t * (t > 1)
+    buffers = []
+    for rank in range(p):
+        biggest = max(
+            blocks["none"].params,
+            embed.params if rank == 0 else 0.0,
+            head.params if rank == p - 1 else 0.0,
+        )
+        buffers.append(base_buffers + (2 * biggest * w if st.zero == 3 else 0.0))
+    return Terms(
+        strategy=st,
+        block=blocks,
+        embed=embed,
+        head=head,
+        block_type=block_type,
+        p2p_s=2 * v * comm.p2p_time_s(p2p_bytes, pp_link) if p > 1 else 0.0,
+        inflight=tuple(
+            inflight_stage_copies(st.schedule, stage=r, pp=p, micro_batches=m, virtual=v) for r in range(p)
+        ),
+        state_bytes_per_param=state,
+        weight_bytes=w,
+        grad_bytes=GRAD_REDUCE_BYTES[st.dtype],
+        lat_s=lat,
+        s_per_byte=s_per_byte,
+        opt_s_per_param=ADAM_BYTES_PER_PARAM
+        / device.hbm_bandwidth_bytes_per_s
+        / (shard if st.zero >= 1 else 1),
+        loss_bytes=st.micro_batch * st.seq * profile.vocab / t * 8,
+        buffers=tuple(buffers),
+        reserve_bytes=(
+            reserve_bytes
+            if reserve_bytes is not None
+            else CUDA_CONTEXT_BYTES + FRAGMENTATION * device.memory_bytes
+        ),
+        dp_crosses_nodes=dp_link.crosses_nodes and st.dp > 1,
+        tp_crosses_nodes=tp_link.crosses_nodes,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankLoad:
+    """Sums of unit terms over the layers one rank holds."""
+
+    fwd_s: float
+    recompute_s: float
+    tp_s: float
+    bwd_s: float
+    params: float
+    full_params: float
+    """Parameters of the blocks under full recompute (gathered again in ZeRO-3)."""
+    layers: int
+    full_layers: int
+    act_bytes: float
+    has_full: bool
+
+    @property
+    def compute_s(self) -> float:
+        return 3 * self.fwd_s
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.recompute_s + self.tp_s
+
+
+def rank_load(terms: Terms, rank: int, counts: tuple[int, int, int]) -> RankLoad:
+    """Sum the units of ``counts`` (none, selective, full) blocks plus embed/head where they live."""
+    units = [(terms.block[r], n) for r, n in zip(RECOMPUTE, counts, strict=True)]
+    if rank == 0:
+        units.append((terms.embed, 1))
+    if rank == len(terms.inflight) - 1:
+        units.append((terms.head, 1))
+    full = terms.block["full"]
+    return RankLoad(
+        fwd_s=sum(u.fwd_s * n for u, n in units),
+        recompute_s=sum(u.recompute_s * n for u, n in units),
+        tp_s=sum(u.tp_s * n for u, n in units),
+        bwd_s=sum(u.bwd_s * n for u, n in units),
+        params=sum(u.params * n for u, n in units),
+        full_params=full.params * counts[2],
+        layers=sum(n for _, n in units),
+        full_layers=counts[2],
+        act_bytes=sum(u.act_bytes * n for u, n in units),
+        has_full=counts[2] > 0,
+    )
+
+
+def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
+    """Data-parallel / ZeRO time this rank cannot hide (the overlap rule in estimate's doc).
+
+    With L = layers on the rank, α' = (dp−1)·α and σ = (dp−1)/(dp·β) of one ring
+    all-gather/reduce-scatter (an all-reduce costs 2α' + 2σS), G gradient bytes,
+    W weight bytes, and overlap O = backward − one block's backward:
+      ZeRO-0  max(0, 2α' + 2σG − O)
+      ZeRO-1  max(0, α' + σG − O) + α' + σW
+      ZeRO-2  m·max(0, Lα' + σG − O) + α' + σW
+      ZeRO-3  m·[max(0, Lα' + σW − fwd) + max(0, (L + L_full)α' + σ(W + W_full) + Lα' + σG − bwd)]
+    """
+    st, lat, spb = terms.strategy, terms.lat_s, terms.s_per_byte
+    if st.dp == 1:
+        return 0.0
+    grad, weights = load.params * terms.grad_bytes, load.params * terms.weight_bytes
+    overlap = load.bwd_s - terms.block["none"].bwd_s
+    m = st.micro_batches
+    if st.zero == 0:
+        return max(0.0, 2 * lat + 2 * spb * grad - overlap)
+    if st.zero == 1:
+        return max(0.0, lat + spb * grad - overlap) + lat + spb * weights
+    if st.zero == 2:
+        return m * max(0.0, load.layers * lat + spb * grad - overlap) + lat + spb * weights
+    full_w = load.full_params * terms.weight_bytes
+    gather_f = load.layers * lat + spb * weights
+    gather_b = (load.layers + load.full_layers) * lat + spb * (weights + full_w)
+    reduce = load.layers * lat + spb * grad
+    return m * (max(0.0, gather_f - load.fwd_s) + max(0.0, gather_b + reduce - load.bwd_s))
+
+
+def rank_memory_terms(terms: Terms, rank: int, load: RankLoad) -> dict[str, float]:
+    """Peak memory of a rank by cause (bytes)."""
+    w, g, k = STATE_BYTES[terms.strategy.dtype]
+    st = terms.strategy
+    shard = st.dp
+    acts = terms.inflight[rank] * load.act_bytes
+    if load.has_full:
+        acts += terms.block["full"].act_full_bytes
+    return {
+        "weights": load.params * w / (shard if st.zero >= 3 else 1),
+        "gradients": load.params * g / (shard if st.zero >= 2 else 1),
+        "optimizer": load.params * k / (shard if st.zero >= 1 else 1),
+        "activations": acts,
+        "loss": terms.loss_bytes if rank == len(terms.inflight) - 1 else 0.0,
+        "comm_buffers": terms.buffers[rank],
+        "reserve": terms.reserve_bytes,
+    }
