@@ -1,4 +1,4 @@
-"""The ``autopar`` command line: ``inspect``, ``estimate``, ``models``, ``clusters``.
+"""The ``autopar`` command line: ``plan``, ``estimate``, ``inspect``, ``models``, ``clusters``.
 
 Exit codes: 0 success, 2 user error (one line on stderr, no traceback), 1 bug.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +46,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="parameter and activation dtype (default bf16)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    p = sub.add_parser("plan", help="find the fastest predicted plan that fits, and say why")
+    p.add_argument("model", metavar="MODEL", help="zoo name, path/to/file.py:factory or pkg.mod:factory")
+    p.add_argument("--cluster", required=True, help="preset name (see `autopar clusters`) or YAML file")
+    p.add_argument("--nodes", type=_positive, default=None, help="number of nodes (default 1)")
+    p.add_argument("--global-batch", type=_positive, required=True, help="sequences per step")
+    p.add_argument("--seq", type=_positive, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--top", type=_positive, default=5, help="runners-up to show (default 5)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit in seconds (default 10)")
+    p.add_argument("--out", default=None, help="write the plan as JSON to this file")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    g = p.add_argument_group("constraints (default: free)")
+    g.add_argument("--tp", type=_positive, default=None, help="fix the tensor-parallel degree")
+    g.add_argument("--pp", type=_positive, default=None, help="fix the pipeline-parallel degree")
+    g.add_argument("--dp", type=_positive, default=None, help="fix the data-parallel degree")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="fix the ZeRO stage")
+    g.add_argument("--micro-batch", type=_positive, default=None, help="fix the micro-batch size")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default=None)
+    g.add_argument("--virtual-stages", type=_positive, default=None, help="fix v (interleaved)")
+    g.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force sequence parallelism on or off",
+    )
+    g.add_argument(
+        "--recompute",
+        default="none,selective,full",
+        help="recompute choices allowed, comma-separated (default none,selective,full)",
+    )
+    g.add_argument("--memory-cap-gib", type=float, default=None, help="plan for at most this memory per GPU")
 
     p = sub.add_parser("estimate", help="predict step time, throughput and memory of one plan")
     p.add_argument("model", metavar="MODEL", help="zoo name, path/to/file.py:factory or pkg.mod:factory")
@@ -245,6 +278,196 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         console.print(f"[dim]note: {note}[/dim]")
 
 
+def cmd_plan(args: argparse.Namespace, console: Console) -> None:
+    from autopar.cluster import Cluster
+    from autopar.cost_models.strategy import RECOMPUTE
+    from autopar.costing import profile_fn
+    from autopar.models import resolve
+    from autopar.planner import Constraints, make_plan
+
+    cluster = Cluster.load(args.cluster, nodes=args.nodes)
+    seq = args.seq or resolve(args.model, dtype=args.dtype).default_seq
+    allowed = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
+    if not allowed or any(x not in RECOMPUTE for x in allowed):
+        raise AutoparError(
+            f"--recompute takes a comma-separated subset of {', '.join(RECOMPUTE)}, got {args.recompute!r}"
+        )
+    constraints = Constraints(
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        zero=args.zero,
+        micro_batch=args.micro_batch,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        sequence_parallel=args.sequence_parallel,
+        recompute=allowed,
+        memory_cap_bytes=args.memory_cap_gib * 2**30 if args.memory_cap_gib else None,
+    )
+    _progress(args, f"capturing {args.model} at seq {seq} …")
+    profile_at = profile_fn(args.model, dtype=args.dtype, seq=seq)
+    profile_at(1)
+    profile_at(2)  # the two captures every micro-batch size is derived from
+    _progress(args, "planning …")
+    result = make_plan(
+        args.model,
+        profile_at,
+        cluster,
+        global_batch=args.global_batch,
+        seq=seq,
+        dtype=args.dtype,
+        constraints=constraints,
+        top_k=args.top,
+        time_limit_s=args.time_limit,
+    )
+    plan = result.plan
+    if args.out:
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            f.write(plan.to_json())
+        os.replace(tmp, args.out)
+    best = plan.predicted["step_time_s"]
+    alternatives = [_candidate_dict(c, best) for c in result.alternatives]
+    baselines = {k: (_candidate_dict(c, best) if c else None) for k, c in result.baselines.items()}
+    if args.json:
+        st = plan.strategy
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "cluster": cluster.name,
+                    "nodes": cluster.num_nodes,
+                    "plan": {
+                        "tp": st.tp,
+                        "pp": st.pp,
+                        "dp": st.dp,
+                        "zero": st.zero,
+                        "micro_batch": st.micro_batch,
+                        "num_microbatches": st.micro_batches,
+                        "schedule": st.schedule,
+                        "virtual_stages": st.virtual_stages,
+                        "sequence_parallel": st.sequence_parallel,
+                        "dtype": st.dtype,
+                        "mesh": [list(a) for a in plan.mesh],
+                        "crosses_nodes": list(plan.crosses_nodes),
+                        "stages": [
+                            {
+                                "index": s.index,
+                                "layers": list(s.layers),
+                                "recompute": {b: r for b, r in s.recompute},
+                            }
+                            for s in plan.stages
+                        ],
+                        "hash": plan.hash,
+                    },
+                    "predicted": plan.predicted,
+                    "alternatives": alternatives,
+                    "baselines": baselines,
+                    "solve_time_s": result.solve_time_s,
+                    "optimality_gap": plan.optimality_gap,
+                    "ilps_solved": result.ilps_solved,
+                    "outer_candidates": result.outer_candidates,
+                },
+                indent=2,
+            )
+        )
+        return
+    _print_plan(console, plan, result, alternatives, baselines, cluster)
+    if args.out:
+        console.print(f"[dim]plan written to {args.out}[/dim]")
+
+
+def _candidate_dict(c: Any, best: float) -> dict[str, Any]:
+    st = c.strategy
+    return {
+        "tp": st.tp,
+        "pp": st.pp,
+        "dp": st.dp,
+        "zero": st.zero,
+        "micro_batch": st.micro_batch,
+        "schedule": st.schedule,
+        "virtual_stages": st.virtual_stages,
+        "sequence_parallel": st.sequence_parallel,
+        "layout": [list(x) for x in st.layout],
+        "recompute": st.recompute,
+        "step_time_s": c.estimate.step_time_s,
+        "tflops_per_gpu": c.estimate.tflops_per_gpu,
+        "fits": c.estimate.fits,
+        "slower_by": c.estimate.step_time_s / best,
+    }
+
+
+def _print_plan(
+    console: Console,
+    plan: Any,
+    result: Any,
+    alternatives: list[dict[str, Any]],
+    baselines: dict[str, Any],
+    cluster: Any,
+) -> None:
+    pred = plan.predicted
+    console.print(plan.text().splitlines()[0])
+    console.print(plan.text().splitlines()[1])
+    table = Table(title="stages", show_edge=False, title_justify="left")
+    for col in ("stage", "layers", "recompute", "time/micro-batch", "states", "activations", "other", "peak"):
+        table.add_column(col, justify="left" if col in ("layers", "recompute") else "right")
+    capacity = format_bytes(pred["memory_capacity_bytes"])
+    for s, mem in zip(plan.stages, pred["memory"], strict=True):
+        counts = {c: sum(1 for _, r in s.recompute if r == c) for c in ("none", "selective", "full")}
+        states = mem["weights"] + mem["gradients"] + mem["optimizer"]
+        other = mem["loss"] + mem["comm_buffers"] + mem["reserve"]
+        table.add_row(
+            str(s.index),
+            f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})",
+            ", ".join(f"{n} {c}" for c, n in counts.items() if n) or "-",
+            f"{1e3 * s.time_per_micro_batch_s:.1f} ms",
+            format_bytes(states),
+            format_bytes(mem["activations"]),
+            format_bytes(other),
+            f"{format_bytes(mem['peak_bytes'])} / {capacity}",
+        )
+    console.print(table)
+    console.print(
+        f"predicted: {pred['step_time_s']:.3f} s/step · {pred['tokens_per_s']:,.0f} tokens/s · "
+        f"{pred['tflops_per_gpu']:.1f} TFLOP/s per GPU (MFU {100 * pred['mfu']:.1f}%, "
+        f"HFU {100 * pred['hfu']:.1f}%)"
+    )
+    console.print(
+        f"solved in {result.solve_time_s:.2f} s: {result.ilps_solved} layout ILPs over "
+        f"{result.outer_candidates} outer choices; proven gap {100 * plan.optimality_gap:.2f}%"
+    )
+    why = Table(
+        title="why this plan: runners-up and baselines (same cost model)",
+        show_edge=False,
+        title_justify="left",
+    )
+    for col in ("", "tp", "pp", "dp", "zero", "micro-batch", "schedule", "step s", "vs chosen"):
+        why.add_column(col, justify="left" if col in ("", "schedule") else "right")
+
+    def row(label: str, c: dict[str, Any] | None) -> None:
+        if c is None:
+            why.add_row(label, *["-"] * 6, "does not fit", "")
+            return
+        sched = c["schedule"] + (f" v={c['virtual_stages']}" if c["virtual_stages"] > 1 else "")
+        why.add_row(
+            label,
+            str(c["tp"]),
+            str(c["pp"]),
+            str(c["dp"]),
+            str(c["zero"]),
+            str(c["micro_batch"]),
+            sched,
+            f"{c['step_time_s']:.3f}",
+            f"{c['slower_by']:.2f}× slower",
+        )
+
+    for i, c in enumerate(alternatives, 1):
+        row(f"runner-up {i}", c)
+    for name, c in baselines.items():
+        row(name, c)
+    console.print(why)
+
+
 def cmd_models(args: argparse.Namespace, console: Console) -> None:
     from autopar.zoo import ZOO, build
 
@@ -320,6 +543,7 @@ def _count(n: float) -> str:
 
 
 COMMANDS: dict[str, Any] = {
+    "plan": cmd_plan,
     "inspect": cmd_inspect,
     "estimate": cmd_estimate,
     "models": cmd_models,

@@ -10,6 +10,7 @@ parallelism all-reduces. Estimates then cost nothing but arithmetic.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -213,3 +214,38 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _elem_bytes(n: fx.Node) -> int:
     return {"float32": 4, "float64": 8}.get(str(n.meta.get("autopar.dtype")), 2)
+
+
+def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile:
+    """The profile at micro-batch ``b`` from captures at micro-batch 1 and 2.
+
+    Every quantity is affine in the micro-batch (FLOPs and activation bytes
+    scale with it; weight reads and per-model buffers such as a causal mask
+    do not), so x(b) = x(1) + (b − 1)·(x(2) − x(1)) is exact. Saves a capture
+    per micro-batch size the planner tries.
+    """
+    assert one.micro_batch == 1 and two.micro_batch == 2 and one.layers == two.layers
+
+    def lin(x1: float, x2: float) -> int:
+        return round(x1 + (b - 1) * (x2 - x1))
+
+    types = {}
+    for name, a in one.layer_types.items():
+        c = two.layer_types[name]
+        assert len(a.ops) == len(c.ops), name
+        types[name] = LayerCost(
+            name=name,
+            ops=tuple(
+                OpCost(flops=lin(x.flops, y.flops), mem_bytes=lin(x.mem_bytes, y.mem_bytes), stream=x.stream)
+                for x, y in zip(a.ops, c.ops, strict=True)
+            ),
+            fwd_flops=lin(a.fwd_flops, c.fwd_flops),
+            bwd_flops=lin(a.bwd_flops, c.bwd_flops),
+            params=a.params,
+            saved_stream_bytes=lin(a.saved_stream_bytes, c.saved_stream_bytes),
+            saved_sharded_bytes=lin(a.saved_sharded_bytes, c.saved_sharded_bytes),
+            saved_quadratic_bytes=lin(a.saved_quadratic_bytes, c.saved_quadratic_bytes),
+            quadratic_flops=lin(a.quadratic_flops, c.quadratic_flops),
+            tp_reduce_bytes=lin(a.tp_reduce_bytes, c.tp_reduce_bytes),
+        )
+    return dataclasses.replace(one, micro_batch=b, layer_types=types)

@@ -106,20 +106,24 @@ class Terms:
     tp_crosses_nodes: bool
 
 
-def build_terms(
+Units = tuple[dict[str, Unit], Unit, Unit]
+"""Block units by recompute choice, the embedding's, the head's."""
+
+
+def layer_units(
     profile: ModelProfile,
     cluster: Cluster,
     st: Strategy,
     *,
     measured: MeasuredCompute | None = None,
-    reserve_bytes: float | None = None,
-) -> Terms:
-    """The coefficients for ``st``'s outer knobs (its layout is ignored)."""
+) -> Units:
+    """Per-layer units; they depend only on tp, sequence parallelism, dtype and the profile."""
     device, t, sp = cluster.device, st.tp, st.sequence_parallel
     rate = device.achievable_flops(st.dtype)
     tp_link = comm.group_link(cluster, size=t, stride=1)
-    block_types = {name for name in profile.layers[1:-1]}
-    assert len(block_types) == 1, f"blocks of several types: {sorted(block_types)}"
+    block_types = set(profile.layers[1:-1])
+    if len(block_types) != 1:
+        raise ValueError(f"the cost model needs one repeated block type, got {sorted(block_types)}")
     (block_type,) = block_types
 
     def unit(name: str, recompute: str) -> Unit:
@@ -146,6 +150,24 @@ def build_terms(
             recompute_flops=rc_flops[recompute],
         )
 
+    blocks = {r: unit(block_type, r) for r in RECOMPUTE}
+    return blocks, unit("embed", "none"), unit("head", "none")
+
+
+def build_terms(
+    profile: ModelProfile,
+    cluster: Cluster,
+    st: Strategy,
+    *,
+    measured: MeasuredCompute | None = None,
+    reserve_bytes: float | None = None,
+    units: Units | None = None,
+) -> Terms:
+    """The coefficients for ``st``'s outer knobs (its layout is ignored)."""
+    device, t = cluster.device, st.tp
+    tp_link = comm.group_link(cluster, size=t, stride=1)
+    blocks, embed, head = units or layer_units(profile, cluster, st, measured=measured)
+    block_type = profile.layers[1]
     p, v, m = st.pp, st.virtual_stages, st.micro_batches
     p2p_bytes = st.micro_batch * st.seq * profile.hidden * profile.act_bytes / t  # scatter/gather: ÷t
     pp_link = comm.group_link(cluster, size=p, stride=t * st.dp)
@@ -158,8 +180,6 @@ def build_terms(
         + g / (shard if st.zero >= 2 else 1)
         + k / (shard if st.zero >= 1 else 1)
     )
-    embed, head = unit("embed", "none"), unit("head", "none")
-    blocks = {r: unit(block_type, r) for r in RECOMPUTE}
     base_buffers = 2 * DDP_BUCKET_BYTES * (st.dp > 1) + 2 * p2p_bytes * t * (t > 1)
     buffers = []
     for rank in range(p):

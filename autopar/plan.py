@@ -1,0 +1,152 @@
+"""The Plan: every decision the planner made, as data.
+
+A ``Plan`` is frozen, round-trips through JSON exactly, prints as a short
+diffable text, and names layers by their module names. ``validate_plan``
+checks its invariants (degrees multiply to the GPU count, stages contiguous
+and non-empty, batch divisible, memory fits, …).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.cost_models.strategy import Strategy
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One pipeline rank: its layers and the recompute choice of each block."""
+
+    index: int
+    """Pipeline rank (0 = first)."""
+    layers: tuple[str, ...]
+    """Layer names in execution order (the embedding on the first, the head on the last)."""
+    recompute: tuple[tuple[str, str], ...]
+    """(block name, none | selective | full) for every block of the stage."""
+    peak_bytes: float
+    """Predicted peak memory per GPU."""
+    time_per_micro_batch_s: float
+    """Predicted compute + recompute + TP communication per micro-batch."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A parallel training plan for one model on one cluster."""
+
+    model: str
+    """MODEL argument the plan was made for."""
+    cluster: dict[str, Any]
+    """The cluster (``Cluster.to_dict()``)."""
+    strategy: Strategy
+    """Degrees, ZeRO, micro-batching, schedule, sequence parallelism, dtype, layout."""
+    mesh: tuple[tuple[str, int], ...]
+    """Device-mesh axes, outermost first: (pp, p), (dp, d), (tp, t)."""
+    crosses_nodes: tuple[str, ...]
+    """Mesh axes whose groups span more than one node."""
+    stages: tuple[StagePlan, ...]
+    """Per pipeline rank."""
+    predicted: dict[str, Any]
+    """The cost model's estimate (same keys as ``autopar estimate --json``)."""
+    solve_time_s: float = field(default=0.0, compare=False)
+    """Wall time of the search."""
+    optimality_gap: float = 0.0
+    """Largest relative MIP gap HiGHS proved on the chosen layout (0 = optimal)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; ``Plan.from_dict(p.to_dict()) == p``."""
+        return {
+            "model": self.model,
+            "cluster": self.cluster,
+            "strategy": self.strategy.to_dict(),
+            "mesh": [list(a) for a in self.mesh],
+            "crosses_nodes": list(self.crosses_nodes),
+            "stages": [
+                {
+                    "index": s.index,
+                    "layers": list(s.layers),
+                    "recompute": [list(r) for r in s.recompute],
+                    "peak_bytes": s.peak_bytes,
+                    "time_per_micro_batch_s": s.time_per_micro_batch_s,
+                }
+                for s in self.stages
+            ],
+            "predicted": self.predicted,
+            "solve_time_s": self.solve_time_s,
+            "optimality_gap": self.optimality_gap,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """Inverse of ``to_dict``."""
+        return cls(
+            model=d["model"],
+            cluster=d["cluster"],
+            strategy=Strategy.from_dict(d["strategy"]),
+            mesh=tuple((str(a), int(n)) for a, n in d["mesh"]),
+            crosses_nodes=tuple(d["crosses_nodes"]),
+            stages=tuple(
+                StagePlan(
+                    index=s["index"],
+                    layers=tuple(s["layers"]),
+                    recompute=tuple((str(a), str(b)) for a, b in s["recompute"]),
+                    peak_bytes=s["peak_bytes"],
+                    time_per_micro_batch_s=s["time_per_micro_batch_s"],
+                )
+                for s in d["stages"]
+            ),
+            predicted=d["predicted"],
+            solve_time_s=d.get("solve_time_s", 0.0),
+            optimality_gap=d.get("optimality_gap", 0.0),
+        )
+
+    def to_json(self) -> str:
+        """Stable JSON text (sorted keys)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    @property
+    def hash(self) -> str:
+        """Short digest of the decisions (not the timings): equal on every rank of a job."""
+        decisions = {k: v for k, v in self.to_dict().items() if k not in ("solve_time_s",)}
+        return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
+
+    def text(self) -> str:
+        """A short, diffable description: one line for the knobs, one per stage."""
+        st = self.strategy
+        mesh = " × ".join(f"{a}{n}" for a, n in self.mesh)
+        lines = [
+            f"plan {self.model} on {self.cluster['num_nodes']}× {self.cluster['name']}: mesh {mesh}"
+            + (f" ({', '.join(self.crosses_nodes)} across nodes)" if self.crosses_nodes else ""),
+            f"zero {st.zero}; micro-batch {st.micro_batch} × {st.micro_batches}; global batch "
+            f"{st.global_batch}; seq {st.seq}; schedule {st.schedule}"
+            + (f" v={st.virtual_stages}" if st.virtual_stages > 1 else "")
+            + f"; sequence parallel {'on' if st.sequence_parallel else 'off'}; {st.dtype}",
+        ]
+        for s in self.stages:
+            counts = {c: sum(1 for _, r in s.recompute if r == c) for c in ("none", "selective", "full")}
+            rc = ", ".join(f"{n} {c}" for c, n in counts.items() if n)
+            lines.append(
+                f"stage {s.index}: {s.layers[0]} … {s.layers[-1]} ({len(s.layers)} layers; recompute {rc})"
+            )
+        return "\n".join(lines)
+
+
+def validate_plan(plan: Plan, *, world_size: int, blocks: int, capacity_bytes: float) -> None:
+    """Assert the plan's invariants (internal: a failing plan is a planner bug)."""
+    st = plan.strategy
+    assert st.tp * st.pp * st.dp == world_size, "degrees multiply to the GPU count"
+    assert st.global_batch % (st.dp * st.micro_batch) == 0, "batch divisible by dp × micro-batch"
+    assert len(plan.stages) == st.pp, "one stage per pipeline rank"
+    assert all(s.layers for s in plan.stages), "stages non-empty"
+    names = [n for s in plan.stages for n in s.layers]
+    assert len(names) == len(set(names)) == blocks + 2, "every layer exactly once"
+    if st.virtual_stages == 1:
+        assert names == sorted(names, key=names.index), "contiguous"
+    assert all(s.peak_bytes <= capacity_bytes for s in plan.stages), "memory fits"
+    assert {r for s in plan.stages for _, r in s.recompute} <= {"none", "selective", "full"}

@@ -1,0 +1,590 @@
+"""The planner: the fastest predicted plan that fits, found by enumeration + one small ILP each.
+
+Outer knobs (tp, pp, dp, micro-batch, schedule/v, sequence parallelism, ZeRO)
+are few and discrete, so they are enumerated; the inner problem — how many
+blocks each pipeline rank holds and which of them recompute (none, selective,
+full) — is an integer program over counts (identical blocks are
+interchangeable, so a layout is p × 3 integers, not L × p binaries), solved
+with PuLP + HiGHS (CBC if HiGHS is missing). Its objective and constraints are
+``cost_models.terms`` verbatim, so a layout's ILP value equals its estimate.
+
+Outer candidates are visited best lower bound first (the bound drops the
+bubble's imbalance, recompute, DP traffic and memory), and the search stops
+once the bound reaches the K-th best plan found: branch and bound over the
+enumeration. Two dominances shrink it further, both exact under the cost
+model: with tp > 1 sequence parallelism is never slower and never uses more
+memory, and GPipe is never faster than 1F1B but holds more activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+import pulp
+
+from autopar.cluster import Cluster
+from autopar.cost_models.estimate import Estimate, estimate, stage_layer_names
+from autopar.cost_models.profile import ModelProfile
+from autopar.cost_models.strategy import RECOMPUTE, Strategy, StrategyError
+from autopar.cost_models.terms import (
+    RankLoad,
+    Terms,
+    Units,
+    build_terms,
+    dp_exposed_s,
+    layer_units,
+    rank_load,
+)
+from autopar.errors import AutoparError
+from autopar.plan import Plan, StagePlan, validate_plan
+
+
+class InfeasibleError(AutoparError):
+    """No plan fits in memory (the message says what would)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraints:
+    """What the user fixed or forbade; None means free."""
+
+    tp: int | None = None
+    """Fix the tensor-parallel degree."""
+    pp: int | None = None
+    """Fix the pipeline-parallel degree."""
+    dp: int | None = None
+    """Fix the data-parallel degree."""
+    zero: int | None = None
+    """Fix the ZeRO stage."""
+    micro_batch: int | None = None
+    """Fix the micro-batch size."""
+    schedule: str | None = None
+    """Fix the schedule (gpipe, 1f1b, interleaved)."""
+    virtual_stages: int | None = None
+    """Fix v for the interleaved schedule."""
+    sequence_parallel: bool | None = None
+    """Force sequence parallelism on or off."""
+    recompute: tuple[str, ...] = RECOMPUTE
+    """Recompute choices allowed per block."""
+    memory_cap_bytes: float | None = None
+    """Plan for at most this much memory per GPU (below the device's)."""
+    max_micro_batch: int = 16
+    """Largest micro-batch tried."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """An evaluated outer choice with its best layout."""
+
+    strategy: Strategy
+    estimate: Estimate
+    gap: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanResult:
+    """The plan and the evidence for it."""
+
+    plan: Plan
+    alternatives: tuple[Candidate, ...]
+    """Runners-up with other outer knobs, best first."""
+    baselines: dict[str, Candidate | None]
+    """Named hand strategies under the same cost model (None where it does not fit)."""
+    solve_time_s: float
+    ilps_solved: int
+    outer_candidates: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def outer_strategies(
+    cluster: Cluster,
+    *,
+    blocks: int,
+    heads: int | None,
+    global_batch: int,
+    seq: int,
+    dtype: str,
+    c: Constraints,
+) -> list[Strategy]:
+    """Every outer choice allowed by the model, the cluster and the constraints."""
+    world, gpn = cluster.world_size, cluster.gpus_per_node
+    out = []
+    tps = (
+        [c.tp]
+        if c.tp
+        else [t for t in _divisors(gpn) if world % t == 0 and (heads is None or heads % t == 0)]
+    )
+    for tp in tps:
+        for pp in [c.pp] if c.pp else _divisors(world // tp):
+            if pp > blocks or world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if (c.dp and dp != c.dp) or global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            micro = [c.micro_batch] if c.micro_batch else _divisors(per_replica)
+            for b in micro:
+                if b > c.max_micro_batch or per_replica % b:
+                    continue
+                m = per_replica // b
+                schedules: list[tuple[str, int]] = []
+                if c.schedule in (None, "1f1b"):
+                    schedules.append(("1f1b", 1))
+                if c.schedule == "gpipe":
+                    schedules.append(("gpipe", 1))
+                if c.schedule in (None, "interleaved") and pp > 1 and m % pp == 0:
+                    for v in [c.virtual_stages] if c.virtual_stages else [2, 3, 4, 6, 8]:
+                        if v and v > 1 and blocks % (pp * v) == 0:
+                            schedules.append(("interleaved", v))
+                sps = [c.sequence_parallel] if c.sequence_parallel is not None else [tp > 1]
+                zeros = [c.zero] if c.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+                for (schedule, v), sp, zero in ((s, sp, z) for s in schedules for sp in sps for z in zeros):
+                    if sp and tp == 1:
+                        continue
+                    out.append(
+                        Strategy(
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            zero=zero,
+                            micro_batch=b,
+                            global_batch=global_batch,
+                            seq=seq,
+                            schedule=schedule,
+                            virtual_stages=v,
+                            sequence_parallel=sp,
+                            dtype=dtype,
+                        )
+                    )
+    return out
+
+
+def max_blocks(terms: Terms, rank: int, capacity: float, recompute: str) -> int:
+    """Most blocks rank ``rank`` can hold if all of them use ``recompute`` (memory constraint
+    of the ILP solved for one rank). Mixing choices never holds more than the leanest one."""
+    st, u = terms.strategy, terms.block[recompute]
+    fixed = terms.buffers[rank] + terms.reserve_bytes
+    for edge, here in ((terms.embed, rank == 0), (terms.head, rank == st.pp - 1)):
+        if here:
+            fixed += edge.params * terms.state_bytes_per_param + terms.inflight[rank] * edge.act_bytes
+    if rank == st.pp - 1:
+        fixed += terms.loss_bytes
+    if recompute == "full":
+        fixed += u.act_full_bytes
+    per_block = u.params * terms.state_bytes_per_param + terms.inflight[rank] * u.act_bytes
+    return max(0, math.floor((capacity - fixed) / per_block)) if per_block > 0 else 10**9
+
+
+def fits_somehow(terms: Terms, blocks: int, capacity: float, allowed: tuple[str, ...]) -> bool:
+    """Exact feasibility of the layout ILP: ranks are independent but for Σ blocks = L."""
+    st = terms.strategy
+    caps = [max(max_blocks(terms, k, capacity, r) for r in allowed) for k in range(st.pp)]
+    if st.virtual_stages > 1:
+        return all(c >= blocks // st.pp for c in caps)
+    return all(c >= 1 for c in caps) and sum(min(c, blocks) for c in caps) >= blocks
+
+
+def lower_bound_s(
+    terms: Terms, blocks: int, capacity: float = math.inf, allowed: tuple[str, ...] = ("none",)
+) -> float:
+    """A bound no layout beats: perfect balance, no DP traffic, and only as much recompute as
+    memory forces (blocks that no rank can hold without it pay the cheapest recompute)."""
+    st = terms.strategy
+    u = terms.block["none"]
+    without = sum(min(max_blocks(terms, k, capacity, "none"), blocks) for k in range(st.pp))
+    forced = max(0, blocks - without) if "none" in allowed else blocks
+    extras = [terms.block[r].time_s - u.time_s for r in allowed if r != "none"]
+    total = (
+        blocks * u.time_s + forced * (min(extras) if extras else 0.0) + terms.embed.time_s + terms.head.time_s
+    )
+    per_rank = max(total / st.pp, terms.embed.time_s, terms.head.time_s, u.time_s)
+    params = blocks * u.params + terms.embed.params + terms.head.params
+    # DP/ZeRO exposure is a max over ranks of convex hinges: at least that of the average rank,
+    # taken with every block's backward as long as allowed (most overlap) and no re-gathering.
+    longest = max((terms.block[r] for r in allowed), key=lambda x: x.bwd_s)
+    edges = (terms.embed, terms.head)
+    average = RankLoad(
+        fwd_s=(blocks * u.fwd_s + sum(e.fwd_s for e in edges)) / st.pp,
+        recompute_s=0.0,
+        tp_s=0.0,
+        bwd_s=(blocks * longest.bwd_s + sum(e.bwd_s for e in edges)) / st.pp,
+        params=params / st.pp,
+        full_params=0.0,
+        layers=(blocks + 2) // st.pp,
+        full_layers=0,
+        act_bytes=0.0,
+        has_full=False,
+    )
+    rounds = st.micro_batches + (st.pp - 1) / st.virtual_stages
+    return (
+        rounds * (per_rank + terms.p2p_s)
+        + params / st.pp * terms.opt_s_per_param
+        + dp_exposed_s(terms, average)
+    )
+
+
+def solve_layout(
+    terms: Terms, *, blocks: int, capacity: float, allowed: tuple[str, ...], time_limit: float
+) -> tuple[tuple[tuple[int, int, int], ...], float] | None:
+    """The ILP over block counts per rank; returns (layout, proven gap) or None if nothing fits."""
+    st = terms.strategy
+    p, m, v = st.pp, st.micro_batches, st.virtual_stages
+    choices = [
+        r for r in allowed if not (r == "selective" and terms.block["selective"] == terms.block["none"])
+    ]
+    prob = pulp.LpProblem("layout", pulp.LpMinimize)
+    per_rank_fixed = blocks // p if v > 1 else None
+    n = {
+        (k, r): pulp.LpVariable(f"n_{k}_{r}", lowBound=0, upBound=blocks, cat="Integer")
+        for k in range(p)
+        for r in choices
+    }
+    has_full = {k: pulp.LpVariable(f"full_{k}", cat="Binary") for k in range(p)} if "full" in choices else {}
+    slowest = pulp.LpVariable("T_slowest_stage_s", lowBound=0)
+    dp_time = pulp.LpVariable("dp_exposed_s", lowBound=0)
+    opt_time = pulp.LpVariable("optimizer_s", lowBound=0)
+    rounds = m + (p - 1) / v
+    prob += rounds * slowest + dp_time + opt_time + rounds * terms.p2p_s, "step_time_s"
+    prob += pulp.lpSum(n.values()) == blocks, "every_block_placed"
+    lat, spb, mb = terms.lat_s, terms.s_per_byte, m
+    for k in range(p):
+        fixed = [u for u, here in ((terms.embed, k == 0), (terms.head, k == p - 1)) if here]
+        count = pulp.lpSum(n[k, r] for r in choices)
+        if per_rank_fixed is not None:
+            prob += count == per_rank_fixed, f"interleaved_equal_chunks_{k}"
+        else:
+            prob += count >= 1, f"stage_non_empty_{k}"
+
+        def lin(attr: str, k: int = k, fixed: list = fixed) -> pulp.LpAffineExpression:
+            return pulp.lpSum(getattr(terms.block[r], attr) * n[k, r] for r in choices) + sum(
+                getattr(u, attr) for u in fixed
+            )
+
+        time_k, params_k = lin("time_s"), lin("params")
+        bwd_k, fwd_k = lin("bwd_s"), lin("fwd_s")
+        layers_k = count + len(fixed)
+        # compute + recompute + TP comm of one micro-batch on this rank
+        prob += slowest >= time_k, f"stage_time_{k}"
+        # model states + in-flight activations + rematerialised layer + loss + buffers + reserve
+        memory_k = params_k * terms.state_bytes_per_param + terms.inflight[k] * lin("act_bytes")
+        if has_full:
+            memory_k += has_full[k] * terms.block["full"].act_full_bytes
+            prob += n[k, "full"] <= blocks * has_full[k], f"full_recompute_flag_{k}"
+        fixed_mem = terms.buffers[k] + terms.reserve_bytes + (terms.loss_bytes if k == p - 1 else 0.0)
+        prob += memory_k + fixed_mem <= capacity, f"memory_{k}"
+        prob += opt_time >= params_k * terms.opt_s_per_param, f"optimizer_{k}"
+        if st.dp == 1:
+            continue
+        grad, weights = params_k * terms.grad_bytes, params_k * terms.weight_bytes
+        overlap = bwd_k - terms.block["none"].bwd_s
+        hinge = pulp.LpVariable(f"dp_hidden_excess_{k}", lowBound=0)
+        if st.zero == 0:  # gradient all-reduce beyond what backward hides
+            prob += hinge >= 2 * lat + 2 * spb * grad - overlap, f"dp_allreduce_{k}"
+            prob += dp_time >= hinge, f"dp_exposed_{k}"
+        elif st.zero in (
+            1,
+            2,
+        ):  # reduce-scatter beyond the overlap (per micro-batch in ZeRO-2) + weight all-gather
+            rs = spb * grad + (layers_k * lat if st.zero == 2 else lat)
+            prob += hinge >= rs - overlap, f"zero_reduce_scatter_{k}"
+            prob += dp_time >= (mb if st.zero == 2 else 1) * hinge + lat + spb * weights, f"dp_exposed_{k}"
+        else:  # ZeRO-3: weight gathers beyond forward / backward compute, every micro-batch
+            full_w = (
+                n[k, "full"] * terms.block["full"].params * terms.weight_bytes if "full" in choices else 0
+            )
+            full_layers = n[k, "full"] if "full" in choices else 0
+            gather_b = pulp.LpVariable(f"zero3_backward_excess_{k}", lowBound=0)
+            prob += hinge >= layers_k * lat + spb * weights - fwd_k, f"zero3_forward_gather_{k}"
+            prob += (
+                (
+                    gather_b
+                    >= (layers_k + full_layers) * lat
+                    + spb * (weights + full_w)
+                    + layers_k * lat
+                    + spb * grad
+                    - bwd_k
+                ),
+                f"zero3_backward_gather_reduce_{k}",
+            )
+            prob += dp_time >= mb * (hinge + gather_b), f"dp_exposed_{k}"
+    solver = (
+        pulp.HiGHS(msg=False, timeLimit=time_limit)
+        if pulp.HiGHS().available()
+        else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
+    )
+    with _stdout_silenced():  # HiGHS prints a banner once per process, even with msg=False
+        prob.solve(solver)
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return None
+    gap = 0.0
+    model = getattr(prob, "solverModel", None)
+    if model is not None and prob.sol_status != pulp.LpSolutionOptimal:
+        gap = float(model.getInfo().mip_gap)
+    layout = tuple(
+        (
+            round(n[k, "none"].value()) if "none" in choices else 0,
+            round(n[k, "selective"].value()) if "selective" in choices else 0,
+            round(n[k, "full"].value()) if "full" in choices else 0,
+        )
+        for k in range(p)
+    )
+    return layout, gap
+
+
+@contextlib.contextmanager
+def _stdout_silenced() -> Iterator[None]:
+    """Point file descriptor 1 at /dev/null (C libraries write there directly)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def search(
+    profile_at: Callable[[int], ModelProfile],
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    seq: int,
+    dtype: str = "bf16",
+    constraints: Constraints = Constraints(),
+    top_k: int = 5,
+    time_limit_s: float = 10.0,
+) -> tuple[list[Candidate], int, int, list[tuple[float, Strategy]]]:
+    """Branch and bound over outer strategies: the optimum first, then the best ``top_k − 1``
+    runners-up met on the way (the search stops once no bound can beat the optimum).
+
+    Also returns how many ILPs ran, how many outer candidates there were, and for
+    infeasibility reports the (peak memory, strategy) of the leanest layouts tried.
+    """
+    start = time.perf_counter()
+    base = profile_at(1)
+    capacity = min(cluster.device.memory_bytes, constraints.memory_cap_bytes or math.inf)
+    strategies = outer_strategies(
+        cluster,
+        blocks=base.blocks,
+        heads=base.heads,
+        global_batch=global_batch,
+        seq=seq,
+        dtype=dtype,
+        c=constraints,
+    )
+    infeasible: list[tuple[Strategy, ModelProfile]] = []
+    units_cache: dict[tuple[int, bool, int], Units] = {}
+    profiles: dict[int, ModelProfile] = {}
+    bounded = []
+    for st in strategies:
+        key = (st.tp, st.sequence_parallel, st.micro_batch)
+        if st.micro_batch not in profiles:
+            profiles[st.micro_batch] = profile_at(st.micro_batch)
+        prof = profiles[st.micro_batch]
+        if key not in units_cache:
+            units_cache[key] = layer_units(prof, cluster, st)
+        terms = build_terms(prof, cluster, st, units=units_cache[key])
+        if not fits_somehow(terms, base.blocks, capacity, constraints.recompute):
+            infeasible.append((st, prof))
+            continue
+        bounded.append((lower_bound_s(terms, base.blocks, capacity, constraints.recompute), st, terms, prof))
+    bounded.sort(key=lambda x: x[0])
+    found: list[Candidate] = []
+    ilps = 0
+    for bound, st, terms, prof in bounded:
+        if found and bound >= found[0].estimate.step_time_s:
+            break  # no remaining outer choice can beat the best plan
+        even = estimate(prof, cluster, st)
+        if even.fits and even.step_time_s <= bound * (1 + 1e-12):
+            found.append(
+                Candidate(
+                    strategy=replace(st, layout=tuple(st.blocks_per_rank(base.blocks))),
+                    estimate=even,
+                    gap=0.0,
+                )
+            )  # the even split attains the bound
+            found.sort(key=lambda c: c.estimate.step_time_s)
+            continue
+        remaining = max(0.5, time_limit_s - (time.perf_counter() - start))
+        ilps += 1
+        solved = solve_layout(
+            terms, blocks=base.blocks, capacity=capacity, allowed=constraints.recompute, time_limit=remaining
+        )
+        assert solved is not None, "fits_somehow said a layout exists"
+        layout, gap = solved
+        chosen = replace(st, layout=layout, recompute="none")
+        found.append(Candidate(strategy=chosen, estimate=estimate(prof, cluster, chosen), gap=gap))
+        found.sort(key=lambda c: c.estimate.step_time_s)
+    leanest: list[tuple[float, Strategy]] = []
+    if not found:  # for the error message: the leanest even split of each outer choice
+        for st, prof in infeasible:
+            lean = replace(st, recompute="full" if "full" in constraints.recompute else st.recompute)
+            leanest.append((max(mm.peak_bytes for mm in estimate(prof, cluster, lean).memory), lean))
+    return found[:top_k], ilps, len(strategies), sorted(leanest, key=lambda x: x[0])
+
+
+def baselines(
+    profile_at: Callable[[int], ModelProfile], cluster: Cluster, *, global_batch: int, seq: int, dtype: str
+) -> dict[str, Candidate | None]:
+    """Named hand strategies priced by the same cost model (None where nothing fits):
+
+    - ``zero3 data parallel``: every GPU a data-parallel rank, ZeRO-3, full recompute;
+    - ``tp=gpus/node, pp across nodes``: TP over a node's GPUs with sequence parallelism,
+      the fewest pipeline stages that fit (even split, full recompute), DP for the rest.
+    """
+    prof = profile_at(1)
+    world, gpn = cluster.world_size, cluster.gpus_per_node
+    out: dict[str, Candidate | None] = {"zero3 data parallel": None, "tp=gpus/node, pp across nodes": None}
+    if global_batch % world == 0:
+        z3 = Strategy(dp=world, zero=3, global_batch=global_batch, seq=seq, recompute="full", dtype=dtype)
+        est = estimate(prof, cluster, z3)
+        out["zero3 data parallel"] = Candidate(strategy=z3, estimate=est, gap=0.0) if est.fits else None
+    tp = max(t for t in _divisors(gpn) if prof.heads is None or prof.heads % t == 0)
+    for pp in _divisors(world // tp):
+        dp = world // (tp * pp)
+        if pp > prof.blocks or global_batch % dp:
+            continue
+        st = Strategy(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            global_batch=global_batch,
+            seq=seq,
+            recompute="full",
+            sequence_parallel=tp > 1,
+            dtype=dtype,
+        )
+        est = estimate(prof, cluster, st)
+        if est.fits:
+            out["tp=gpus/node, pp across nodes"] = Candidate(strategy=st, estimate=est, gap=0.0)
+            break
+    return out
+
+
+def to_plan(
+    model: str, cluster: Cluster, cand: Candidate, profile: ModelProfile, solve_time_s: float
+) -> Plan:
+    """Wrap a candidate as a Plan keyed by layer names."""
+    st, est = cand.strategy, cand.estimate
+    terms = build_terms(profile, cluster, st)
+    counts = st.blocks_per_rank(profile.blocks)
+    edge = (profile.layer_names[0], profile.layer_names[-1])
+    stages = []
+    for k, layers in enumerate(stage_layer_names(profile, st)):
+        blocks = [x for x in layers if x not in edge]
+        none, sel, full = counts[k]
+        choice = ["full"] * full + ["selective"] * sel + ["none"] * none
+        stages.append(
+            StagePlan(
+                index=k,
+                layers=tuple(layers),
+                recompute=tuple(zip(blocks, choice, strict=True)),
+                peak_bytes=est.memory[k].peak_bytes,
+                time_per_micro_batch_s=rank_load(terms, k, counts[k]).time_s,
+            )
+        )
+    gpn = cluster.gpus_per_node
+    crosses = tuple(
+        name
+        for name, size, stride in (("pp", st.pp, st.tp * st.dp), ("dp", st.dp, st.tp), ("tp", st.tp, 1))
+        if size > 1 and size * stride > gpn
+    )
+    return Plan(
+        model=model,
+        cluster=cluster.to_dict(),
+        strategy=st,
+        mesh=(("pp", st.pp), ("dp", st.dp), ("tp", st.tp)),
+        crosses_nodes=crosses,
+        stages=tuple(stages),
+        predicted=est.to_dict(),
+        solve_time_s=solve_time_s,
+        optimality_gap=cand.gap,
+    )
+
+
+def make_plan(
+    model: str,
+    profile_at: Callable[[int], ModelProfile],
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    seq: int,
+    dtype: str = "bf16",
+    constraints: Constraints = Constraints(),
+    top_k: int = 5,
+    time_limit_s: float = 10.0,
+) -> PlanResult:
+    """Search, then wrap the best candidate as a Plan with runners-up and baselines.
+
+    Raises ``InfeasibleError`` when no plan fits, naming the leanest plan tried,
+    the memory it would need and the knobs that would help.
+    """
+    start = time.perf_counter()
+    base = profile_at(1)
+    check_constraints(constraints, cluster, blocks=base.blocks, heads=base.heads)
+    found, ilps, outer, leanest = search(
+        profile_at,
+        cluster,
+        global_batch=global_batch,
+        seq=seq,
+        dtype=dtype,
+        constraints=constraints,
+        top_k=top_k + 1,
+        time_limit_s=time_limit_s,
+    )
+    if not found:
+        raise _infeasible(cluster, leanest, constraints)
+    elapsed = time.perf_counter() - start
+    plan = to_plan(model, cluster, found[0], profile_at(found[0].strategy.micro_batch), elapsed)
+    validate_plan(
+        plan,
+        world_size=cluster.world_size,
+        blocks=base.blocks,
+        capacity_bytes=min(cluster.device.memory_bytes, constraints.memory_cap_bytes or math.inf),
+    )
+    return PlanResult(
+        plan=plan,
+        alternatives=tuple(found[1:]),
+        baselines=baselines(profile_at, cluster, global_batch=global_batch, seq=seq, dtype=dtype),
+        solve_time_s=time.perf_counter() - start,
+        ilps_solved=ilps,
+        outer_candidates=outer,
+    )
+
+
+def _infeasible(cluster: Cluster, leanest: list[tuple[float, Strategy]], c: Constraints) -> InfeasibleError:
+    capacity = min(cluster.device.memory_bytes, c.memory_cap_bytes or math.inf)
+    if not leanest:
+        return InfeasibleError("no strategy satisfies the constraints; loosen --tp/--pp/--dp/--micro-batch")
+    need, st = leanest[0]
+    return InfeasibleError(
+        f"no plan fits in {capacity / 2**30:.1f} GiB per GPU: the leanest tried (tp {st.tp}, pp {st.pp}, "
+        f"dp {st.dp}, ZeRO-{st.zero}, micro-batch {st.micro_batch}, recompute {st.recompute}) needs "
+        f"{need / 2**30:.1f} GiB; add GPUs (--nodes), use a shorter --seq, or allow ZeRO-3, full "
+        "recompute and micro-batch 1"
+    )
+
+
+def check_constraints(c: Constraints, cluster: Cluster, *, blocks: int, heads: int | None) -> None:
+    """Reject fixed degrees that can never work, before searching."""
+    if c.tp and heads is not None and heads % c.tp:
+        raise StrategyError(f"tp={c.tp} does not divide {heads} heads")
+    fixed = (c.tp or 1) * (c.pp or 1) * (c.dp or 1)
+    if cluster.world_size % fixed:
+        raise StrategyError(
+            f"the fixed degrees multiply to {fixed}, which does not divide {cluster.world_size} GPUs"
+        )
+    if c.pp and c.pp > blocks:
+        raise StrategyError(f"pp={c.pp} exceeds the model's {blocks} layers")
