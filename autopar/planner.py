@@ -75,6 +75,8 @@ class Constraints:
     """Plan for at most this much memory per GPU (below the device's)."""
     max_micro_batch: int = 16
     """Largest micro-batch tried."""
+    reserve_bytes: float | None = None
+    """Memory kept back per GPU (default: 1 GiB context + 5% for fragmentation)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,10 +254,13 @@ def solve_layout(
     slowest = pulp.LpVariable("T_slowest_stage_s", lowBound=0)
     dp_time = pulp.LpVariable("dp_exposed_s", lowBound=0)
     opt_time = pulp.LpVariable("optimizer_s", lowBound=0)
+    # Units: time in one block's micro-batch time, memory as a fraction of capacity, so that
+    # HiGHS's absolute tolerances (1e-7) are small against every quantity.
+    ts, ms = 1.0 / terms.block["none"].time_s, 1.0 / capacity
     rounds = m + (p - 1) / v
-    prob += rounds * slowest + dp_time + opt_time + rounds * terms.p2p_s, "step_time_s"
+    prob += rounds * slowest + dp_time + opt_time + rounds * terms.p2p_s * ts, "step_time_s"
     prob += pulp.lpSum(n.values()) == blocks, "every_block_placed"
-    lat, spb, mb = terms.lat_s, terms.s_per_byte, m
+    lat, spb, mb = terms.lat_s * ts, terms.s_per_byte * ts, m
     for k in range(p):
         fixed = [u for u, here in ((terms.embed, k == 0), (terms.head, k == p - 1)) if here]
         count = pulp.lpSum(n[k, r] for r in choices)
@@ -264,28 +269,28 @@ def solve_layout(
         else:
             prob += count >= 1, f"stage_non_empty_{k}"
 
-        def lin(attr: str, k: int = k, fixed: list = fixed) -> pulp.LpAffineExpression:
-            return pulp.lpSum(getattr(terms.block[r], attr) * n[k, r] for r in choices) + sum(
-                getattr(u, attr) for u in fixed
+        def lin(attr: str, scale: float = 1.0, k: int = k, fixed: list = fixed) -> pulp.LpAffineExpression:
+            return pulp.lpSum(scale * getattr(terms.block[r], attr) * n[k, r] for r in choices) + sum(
+                scale * getattr(u, attr) for u in fixed
             )
 
-        time_k, params_k = lin("time_s"), lin("params")
-        bwd_k, fwd_k = lin("bwd_s"), lin("fwd_s")
+        time_k, params_k = lin("time_s", ts), lin("params")
+        bwd_k, fwd_k = lin("bwd_s", ts), lin("fwd_s", ts)
         layers_k = count + len(fixed)
         # compute + recompute + TP comm of one micro-batch on this rank
         prob += slowest >= time_k, f"stage_time_{k}"
         # model states + in-flight activations + rematerialised layer + loss + buffers + reserve
-        memory_k = params_k * terms.state_bytes_per_param + terms.inflight[k] * lin("act_bytes")
+        memory_k = params_k * terms.state_bytes_per_param * ms + terms.inflight[k] * lin("act_bytes", ms)
         if has_full:
-            memory_k += has_full[k] * terms.block["full"].act_full_bytes
+            memory_k += has_full[k] * terms.block["full"].act_full_bytes * ms
             prob += n[k, "full"] <= blocks * has_full[k], f"full_recompute_flag_{k}"
         fixed_mem = terms.buffers[k] + terms.reserve_bytes + (terms.loss_bytes if k == p - 1 else 0.0)
-        prob += memory_k + fixed_mem <= capacity, f"memory_{k}"
-        prob += opt_time >= params_k * terms.opt_s_per_param, f"optimizer_{k}"
+        prob += memory_k + fixed_mem * ms <= 1.0, f"memory_{k}"
+        prob += opt_time >= params_k * terms.opt_s_per_param * ts, f"optimizer_{k}"
         if st.dp == 1:
             continue
         grad, weights = params_k * terms.grad_bytes, params_k * terms.weight_bytes
-        overlap = bwd_k - terms.block["none"].bwd_s
+        overlap = bwd_k - terms.block["none"].bwd_s * ts
         hinge = pulp.LpVariable(f"dp_hidden_excess_{k}", lowBound=0)
         if st.zero == 0:  # gradient all-reduce beyond what backward hides
             prob += hinge >= 2 * lat + 2 * spb * grad - overlap, f"dp_allreduce_{k}"
@@ -317,9 +322,11 @@ def solve_layout(
             )
             prob += dp_time >= mb * (hinge + gather_b), f"dp_exposed_{k}"
     solver = (
-        pulp.HiGHS(msg=False, timeLimit=time_limit)
+        # Step times can be microseconds on small models: prove optimality to 1e-9 relative,
+        # not to HiGHS's default absolute gap of 1e-6.
+        pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-9, gapAbs=0.0)
         if pulp.HiGHS().available()
-        else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
+        else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=1e-9, gapAbs=0.0)
     )
     with _stdout_silenced():  # HiGHS prints a banner once per process, even with msg=False
         prob.solve(solver)
@@ -395,7 +402,9 @@ def search(
         prof = profiles[st.micro_batch]
         if key not in units_cache:
             units_cache[key] = layer_units(prof, cluster, st)
-        terms = build_terms(prof, cluster, st, units=units_cache[key])
+        terms = build_terms(
+            prof, cluster, st, units=units_cache[key], reserve_bytes=constraints.reserve_bytes
+        )
         if not fits_somehow(terms, base.blocks, capacity, constraints.recompute):
             infeasible.append((st, prof))
             continue
@@ -406,8 +415,9 @@ def search(
     for bound, st, terms, prof in bounded:
         if found and bound >= found[0].estimate.step_time_s:
             break  # no remaining outer choice can beat the best plan
-        even = estimate(prof, cluster, st)
-        if even.fits and even.step_time_s <= bound * (1 + 1e-12):
+        even = estimate(prof, cluster, st, reserve_bytes=constraints.reserve_bytes)  # no recompute
+        attains_bound = even.step_time_s <= bound * (1 + 1e-12) and "none" in constraints.recompute
+        if attains_bound and max(mm.peak_bytes for mm in even.memory) <= capacity:
             found.append(
                 Candidate(
                     strategy=replace(st, layout=tuple(st.blocks_per_rank(base.blocks))),
@@ -425,18 +435,26 @@ def search(
         assert solved is not None, "fits_somehow said a layout exists"
         layout, gap = solved
         chosen = replace(st, layout=layout, recompute="none")
-        found.append(Candidate(strategy=chosen, estimate=estimate(prof, cluster, chosen), gap=gap))
+        est = estimate(prof, cluster, chosen, reserve_bytes=constraints.reserve_bytes)
+        found.append(Candidate(strategy=chosen, estimate=est, gap=gap))
         found.sort(key=lambda c: c.estimate.step_time_s)
     leanest: list[tuple[float, Strategy]] = []
     if not found:  # for the error message: the leanest even split of each outer choice
         for st, prof in infeasible:
             lean = replace(st, recompute="full" if "full" in constraints.recompute else st.recompute)
-            leanest.append((max(mm.peak_bytes for mm in estimate(prof, cluster, lean).memory), lean))
+            est = estimate(prof, cluster, lean, reserve_bytes=constraints.reserve_bytes)
+            leanest.append((max(mm.peak_bytes for mm in est.memory), lean))
     return found[:top_k], ilps, len(strategies), sorted(leanest, key=lambda x: x[0])
 
 
 def baselines(
-    profile_at: Callable[[int], ModelProfile], cluster: Cluster, *, global_batch: int, seq: int, dtype: str
+    profile_at: Callable[[int], ModelProfile],
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    seq: int,
+    dtype: str,
+    constraints: Constraints = Constraints(),
 ) -> dict[str, Candidate | None]:
     """Named hand strategies priced by the same cost model (None where nothing fits):
 
@@ -446,11 +464,16 @@ def baselines(
     """
     prof = profile_at(1)
     world, gpn = cluster.world_size, cluster.gpus_per_node
+    capacity = min(cluster.device.memory_bytes, constraints.memory_cap_bytes or math.inf)
+
+    def fits(est: Estimate) -> bool:
+        return all(mm.peak_bytes <= capacity for mm in est.memory)
+
     out: dict[str, Candidate | None] = {"zero3 data parallel": None, "tp=gpus/node, pp across nodes": None}
     if global_batch % world == 0:
         z3 = Strategy(dp=world, zero=3, global_batch=global_batch, seq=seq, recompute="full", dtype=dtype)
-        est = estimate(prof, cluster, z3)
-        out["zero3 data parallel"] = Candidate(strategy=z3, estimate=est, gap=0.0) if est.fits else None
+        est = estimate(prof, cluster, z3, reserve_bytes=constraints.reserve_bytes)
+        out["zero3 data parallel"] = Candidate(strategy=z3, estimate=est, gap=0.0) if fits(est) else None
     tp = max(t for t in _divisors(gpn) if prof.heads is None or prof.heads % t == 0)
     for pp in _divisors(world // tp):
         dp = world // (tp * pp)
@@ -466,8 +489,8 @@ def baselines(
             sequence_parallel=tp > 1,
             dtype=dtype,
         )
-        est = estimate(prof, cluster, st)
-        if est.fits:
+        est = estimate(prof, cluster, st, reserve_bytes=constraints.reserve_bytes)
+        if fits(est):
             out["tp=gpus/node, pp across nodes"] = Candidate(strategy=st, estimate=est, gap=0.0)
             break
     return out
@@ -557,7 +580,9 @@ def make_plan(
     return PlanResult(
         plan=plan,
         alternatives=tuple(found[1:]),
-        baselines=baselines(profile_at, cluster, global_batch=global_batch, seq=seq, dtype=dtype),
+        baselines=baselines(
+            profile_at, cluster, global_batch=global_batch, seq=seq, dtype=dtype, constraints=constraints
+        ),
         solve_time_s=time.perf_counter() - start,
         ilps_solved=ilps,
         outer_candidates=outer,

@@ -1,0 +1,253 @@
+"""The planner: ILP optimum == brute force, invariants, JSON, baselines, infeasibility, CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from autopar import Cluster, InfeasibleError, Plan, capture
+from autopar.cli import main
+from autopar.cost_models.estimate import estimate
+from autopar.cost_models.profile import ModelProfile, at_micro_batch
+from autopar.cost_models.strategy import RECOMPUTE, Strategy
+from autopar.costing import profile_fn
+from autopar.planner import Constraints, make_plan, outer_strategies
+from autopar.zoo import GPT, GPTConfig
+
+LAYERS, SEQ = 4, 128
+
+
+@pytest.fixture(scope="module")
+def profile_at():
+    cfg = GPTConfig(
+        n_layer=LAYERS, n_embd=64, n_head=4, vocab_size=256, block_size=SEQ, attention="math", dropout=0.1
+    )
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.bfloat16)
+    one = ModelProfile.from_captured(capture(model, batch=1, seq=SEQ))
+    two = ModelProfile.from_captured(capture(model, batch=2, seq=SEQ))
+    return lambda b: one if b == 1 else two if b == 2 else at_micro_batch(one, two, b)
+
+
+def _layouts(blocks: int, pp: int, v: int, allowed: tuple[str, ...]):
+    sizes = (
+        [[blocks // pp] * pp]
+        if v > 1
+        else [list(c) for c in itertools.product(range(1, blocks + 1), repeat=pp) if sum(c) == blocks]
+    )
+    idx = [RECOMPUTE.index(r) for r in allowed]
+    for size in sizes:
+        per_rank = []
+        for n in size:
+            options = []
+            for split in itertools.product(range(n + 1), repeat=len(idx)):
+                if sum(split) == n:
+                    counts = [0, 0, 0]
+                    for i, x in zip(idx, split, strict=True):
+                        counts[i] = x
+                    options.append(tuple(counts))
+            per_rank.append(options)
+        yield from itertools.product(*per_rank)
+
+
+def brute_force(profile_at, cluster: Cluster, *, global_batch: int, c: Constraints) -> float:
+    """The best step time over the whole space, by enumerating every strategy and layout,
+    including sequence parallelism off and GPipe (the planner prunes them by dominance)."""
+    capacity = min(cluster.device.memory_bytes, c.memory_cap_bytes or math.inf)
+    best = math.inf
+    space = set()
+    for schedule, sp in itertools.product(("gpipe", "1f1b", "interleaved"), (True, False)):
+        cc = replace(c, schedule=schedule, sequence_parallel=sp)
+        space |= set(
+            outer_strategies(
+                cluster, blocks=LAYERS, heads=4, global_batch=global_batch, seq=SEQ, dtype="bf16", c=cc
+            )
+        )
+    for st in space:
+        prof = profile_at(st.micro_batch)
+        for layout in _layouts(LAYERS, st.pp, st.virtual_stages, c.recompute):
+            est = estimate(prof, cluster, replace(st, layout=layout), reserve_bytes=c.reserve_bytes)
+            if all(m.peak_bytes <= capacity for m in est.memory):
+                best = min(best, est.step_time_s)
+    return best
+
+
+def _instances():
+    """20+ small instances: clusters of 2–8 GPUs in 1–2 nodes, batches, memory caps, recompute sets."""
+    out = []
+    for gpn, nodes in ((2, 1), (4, 1), (2, 2), (4, 2)):
+        for batch in (4, 8):
+            for cap_mib in (None, 24, 12):
+                out.append((gpn, nodes, batch, cap_mib, RECOMPUTE))
+    out.append((4, 1, 8, 12, ("none", "full")))
+    out.append((2, 2, 8, 24, ("full",)))
+    return out
+
+
+@pytest.mark.parametrize(("gpn", "nodes", "batch", "cap_mib", "allowed"), _instances())
+def test_planner_optimum_equals_brute_force(profile_at, gpn, nodes, batch, cap_mib, allowed) -> None:
+    cluster = Cluster.preset("dgx-a100-80g", nodes=nodes, gpus_per_node=gpn)
+    c = Constraints(
+        memory_cap_bytes=cap_mib * 2**20 if cap_mib else None,
+        reserve_bytes=0.0,
+        recompute=allowed,
+        max_micro_batch=4,
+    )
+    expected = brute_force(profile_at, cluster, global_batch=batch, c=c)
+    if expected == math.inf:
+        with pytest.raises(InfeasibleError):
+            make_plan("tiny", profile_at, cluster, global_batch=batch, seq=SEQ, constraints=c)
+        return
+    result = make_plan("tiny", profile_at, cluster, global_batch=batch, seq=SEQ, constraints=c)
+    assert result.plan.predicted["step_time_s"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_some_instances_bind_memory(profile_at) -> None:
+    """The caps above are tight enough to change the answer (else the test proves little)."""
+    cluster = Cluster.preset("dgx-a100-80g", nodes=1, gpus_per_node=4)
+    free = make_plan(
+        "t",
+        profile_at,
+        cluster,
+        global_batch=8,
+        seq=SEQ,
+        constraints=Constraints(reserve_bytes=0.0, max_micro_batch=4),
+    ).plan
+    tight = make_plan(
+        "t",
+        profile_at,
+        cluster,
+        global_batch=8,
+        seq=SEQ,
+        constraints=Constraints(reserve_bytes=0.0, max_micro_batch=4, memory_cap_bytes=12 * 2**20),
+    ).plan
+    assert tight.predicted["step_time_s"] > free.predicted["step_time_s"]
+    assert tight.strategy != free.strategy
+
+
+def test_plan_round_trips_and_validates(profile_at, tmp_path) -> None:
+    cluster = Cluster.preset("dgx-a100-80g", nodes=2, gpus_per_node=2)
+    result = make_plan(
+        "tiny", profile_at, cluster, global_batch=8, seq=SEQ, constraints=Constraints(pp=2, reserve_bytes=0.0)
+    )
+    plan = result.plan
+    assert Plan.from_json(plan.to_json()) == plan
+    assert Plan.from_json(plan.to_json()).hash == plan.hash
+    st = plan.strategy
+    assert st.tp * st.pp * st.dp == 4 and len(plan.stages) == 2
+    names = [n for s in plan.stages for n in s.layers]
+    assert names == ["embed", *(f"blocks.{i}" for i in range(LAYERS)), "head"]
+    assert "stage 0:" in plan.text() and "stage 1:" in plan.text()
+    assert plan.predicted["step_time_s"] == pytest.approx(
+        estimate(profile_at(st.micro_batch), cluster, st, reserve_bytes=0.0).step_time_s
+    )
+
+
+def test_plan_beats_the_hand_heuristic_and_megatron_on_zoo_models() -> None:
+    cases = [
+        ("gpt3-175b", "dgx-a100-80g", 128, 1536, 2048),
+        ("llama3-70b", "dgx-h100", 8, 512, 4096),
+        ("llama3-8b", "dgx-h200", 1, 64, 8192),
+    ]
+    for model, preset, nodes, batch, seq in cases:
+        cluster = Cluster.preset(preset, nodes=nodes)
+        result = make_plan(
+            model, profile_fn(model, dtype="bf16", seq=seq), cluster, global_batch=batch, seq=seq
+        )
+        best = result.plan.predicted["step_time_s"]
+        for name, cand in result.baselines.items():
+            if cand is not None:
+                assert best <= cand.estimate.step_time_s * (1 + 1e-9), (model, name)
+        assert result.baselines["tp=gpus/node, pp across nodes"] is not None, model
+    # the published 175B configuration (tp 8, pp 16, dp 8, micro-batch 1, full recompute)
+    prof = profile_fn("gpt3-175b", dtype="bf16", seq=2048)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=128)
+    megatron = estimate(
+        prof(1), cluster, Strategy(tp=8, pp=16, dp=8, global_batch=1536, seq=2048, recompute="full")
+    )
+    chosen = make_plan("gpt3-175b", prof, cluster, global_batch=1536, seq=2048).plan
+    assert megatron.fits and chosen.predicted["step_time_s"] <= megatron.step_time_s
+
+
+def test_infeasible_names_the_leanest_plan_and_knobs(capsys) -> None:
+    code = main(["plan", "gpt3-175b", "--cluster", "dgx-a100-40g", "--global-batch", "8", "--seq", "2048"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "no plan fits in" in err and "GiB" in err and "--nodes" in err
+
+
+def test_plan_cli_json_and_out(capsys, tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    code = main(
+        [
+            "plan",
+            "gpt2-medium",
+            "--cluster",
+            "dgx-h100",
+            "--global-batch",
+            "64",
+            "--seq",
+            "512",
+            "--json",
+            "--out",
+            str(out),
+            "--top",
+            "3",
+        ]
+    )
+    assert code == 0
+    rep = json.loads(capsys.readouterr().out)
+    for key in (
+        "tp",
+        "pp",
+        "dp",
+        "zero",
+        "micro_batch",
+        "num_microbatches",
+        "schedule",
+        "virtual_stages",
+        "sequence_parallel",
+        "stages",
+    ):
+        assert key in rep["plan"], key
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "fits", "memory", "breakdown_s"):
+        assert key in rep["predicted"], key
+    assert set(rep) >= {"alternatives", "baselines", "solve_time_s", "optimality_gap"}
+    assert len(rep["alternatives"]) <= 3
+    assert all(a["slower_by"] >= 1 - 1e-9 for a in rep["alternatives"])
+    plan = Plan.from_json(out.read_text())
+    assert plan.strategy.tp == rep["plan"]["tp"] and plan.hash == rep["plan"]["hash"]
+
+
+def test_plan_cli_table_and_constraints(capsys) -> None:
+    code = main(
+        [
+            "plan",
+            "gpt2-medium",
+            "--cluster",
+            "dgx-h100",
+            "--global-batch",
+            "64",
+            "--seq",
+            "512",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--recompute",
+            "none,full",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "mesh pp2 × dp2 × tp2" in out and "why this plan" in out
+    assert main(["plan", "gpt2-medium", "--cluster", "dgx-h100", "--global-batch", "64", "--tp", "3"]) == 2
+    assert "tp=3 does not divide 16 heads" in capsys.readouterr().err
+    assert (
+        main(["plan", "gpt2-medium", "--cluster", "dgx-h100", "--global-batch", "64", "--recompute", "x"])
+        == 2
+    )
