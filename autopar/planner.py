@@ -44,6 +44,9 @@ from autopar.cost_models.terms import (
 from autopar.errors import AutoparError
 from autopar.plan import Plan, StagePlan, validate_plan
 
+MIP_GAP = 1e-6
+"""Relative optimality gap each layout ILP must prove (unless its time limit runs out first)."""
+
 
 class InfeasibleError(AutoparError):
     """No plan fits in memory (the message says what would)."""
@@ -86,6 +89,17 @@ class Candidate:
     strategy: Strategy
     estimate: Estimate
     gap: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    """What the branch and bound found."""
+
+    found: list[Candidate]
+    ilps: int
+    outer: int
+    gap: float
+    leanest: list[tuple[float, Strategy]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,10 +259,11 @@ def solve_layout(
     ]
     prob = pulp.LpProblem("layout", pulp.LpMinimize)
     per_rank_fixed = blocks // p if v > 1 else None
+    # Tight bounds from each rank's memory alone (max_blocks) make the relaxation much stronger.
+    upper = {(k, r): min(blocks, max_blocks(terms, k, capacity, r)) for k in range(p) for r in choices}
     n = {
-        (k, r): pulp.LpVariable(f"n_{k}_{r}", lowBound=0, upBound=blocks, cat="Integer")
-        for k in range(p)
-        for r in choices
+        (k, r): pulp.LpVariable(f"n_{k}_{r}", lowBound=0, upBound=upper[k, r], cat="Integer")
+        for (k, r) in upper
     }
     has_full = {k: pulp.LpVariable(f"full_{k}", cat="Binary") for k in range(p)} if "full" in choices else {}
     slowest = pulp.LpVariable("T_slowest_stage_s", lowBound=0)
@@ -283,7 +298,7 @@ def solve_layout(
         memory_k = params_k * terms.state_bytes_per_param * ms + terms.inflight[k] * lin("act_bytes", ms)
         if has_full:
             memory_k += has_full[k] * terms.block["full"].act_full_bytes * ms
-            prob += n[k, "full"] <= blocks * has_full[k], f"full_recompute_flag_{k}"
+            prob += n[k, "full"] <= upper[k, "full"] * has_full[k], f"full_recompute_flag_{k}"
         fixed_mem = terms.buffers[k] + terms.reserve_bytes + (terms.loss_bytes if k == p - 1 else 0.0)
         prob += memory_k + fixed_mem * ms <= 1.0, f"memory_{k}"
         prob += opt_time >= params_k * terms.opt_s_per_param * ts, f"optimizer_{k}"
@@ -322,11 +337,11 @@ def solve_layout(
             )
             prob += dp_time >= mb * (hinge + gather_b), f"dp_exposed_{k}"
     solver = (
-        # Step times can be microseconds on small models: prove optimality to 1e-9 relative,
-        # not to HiGHS's default absolute gap of 1e-6.
-        pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=1e-9, gapAbs=0.0)
+        # Prove optimality to MIP_GAP relative (times are scaled to block units above),
+        # not to HiGHS's default absolute gap of 1e-6 in whatever units.
+        pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=MIP_GAP, gapAbs=0.0)
         if pulp.HiGHS().available()
-        else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=1e-9, gapAbs=0.0)
+        else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=MIP_GAP)
     )
     with _stdout_silenced():  # HiGHS prints a banner once per process, even with msg=False
         prob.solve(solver)
@@ -372,12 +387,13 @@ def search(
     constraints: Constraints = Constraints(),
     top_k: int = 5,
     time_limit_s: float = 10.0,
-) -> tuple[list[Candidate], int, int, list[tuple[float, Strategy]]]:
+) -> SearchResult:
     """Branch and bound over outer strategies: the optimum first, then the best ``top_k − 1``
     runners-up met on the way (the search stops once no bound can beat the optimum).
 
-    Also returns how many ILPs ran, how many outer candidates there were, and for
-    infeasibility reports the (peak memory, strategy) of the leanest layouts tried.
+    Also returns how many ILPs ran, the number of outer candidates, the proven relative gap
+    of the best plan (nonzero only when an ILP ran out of time), and for infeasibility
+    reports the (peak memory, strategy) of the leanest layouts tried.
     """
     start = time.perf_counter()
     base = profile_at(1)
@@ -411,6 +427,7 @@ def search(
         bounded.append((lower_bound_s(terms, base.blocks, capacity, constraints.recompute), st, terms, prof))
     bounded.sort(key=lambda x: x[0])
     found: list[Candidate] = []
+    proven: list[float] = []
     ilps = 0
     for bound, st, terms, prof in bounded:
         if found and bound >= found[0].estimate.step_time_s:
@@ -427,10 +444,15 @@ def search(
             )  # the even split attains the bound
             found.sort(key=lambda c: c.estimate.step_time_s)
             continue
-        remaining = max(0.5, time_limit_s - (time.perf_counter() - start))
+        # Each ILP gets a slice of the budget; one that runs out reports its proven gap.
+        remaining = time_limit_s - (time.perf_counter() - start)
         ilps += 1
         solved = solve_layout(
-            terms, blocks=base.blocks, capacity=capacity, allowed=constraints.recompute, time_limit=remaining
+            terms,
+            blocks=base.blocks,
+            capacity=capacity,
+            allowed=constraints.recompute,
+            time_limit=max(0.1, min(remaining, time_limit_s / 20)),
         )
         assert solved is not None, "fits_somehow said a layout exists"
         layout, gap = solved
@@ -438,13 +460,22 @@ def search(
         est = estimate(prof, cluster, chosen, reserve_bytes=constraints.reserve_bytes)
         found.append(Candidate(strategy=chosen, estimate=est, gap=gap))
         found.sort(key=lambda c: c.estimate.step_time_s)
+        proven.append(est.step_time_s * (1 - gap))  # no layout of this outer choice is faster
     leanest: list[tuple[float, Strategy]] = []
     if not found:  # for the error message: the leanest even split of each outer choice
         for st, prof in infeasible:
             lean = replace(st, recompute="full" if "full" in constraints.recompute else st.recompute)
             est = estimate(prof, cluster, lean, reserve_bytes=constraints.reserve_bytes)
             leanest.append((max(mm.peak_bytes for mm in est.memory), lean))
-    return found[:top_k], ilps, len(strategies), sorted(leanest, key=lambda x: x[0])
+    best = found[0].estimate.step_time_s if found else math.inf
+    gap = max([0.0, *((best - lb) / best for lb in proven if lb < best)]) if found else 0.0
+    return SearchResult(
+        found=found[:top_k],
+        ilps=ilps,
+        outer=len(strategies),
+        gap=gap,
+        leanest=sorted(leanest, key=lambda x: x[0]),
+    )
 
 
 def baselines(
@@ -557,7 +588,7 @@ def make_plan(
     start = time.perf_counter()
     base = profile_at(1)
     check_constraints(constraints, cluster, blocks=base.blocks, heads=base.heads)
-    found, ilps, outer, leanest = search(
+    res = search(
         profile_at,
         cluster,
         global_batch=global_batch,
@@ -567,10 +598,11 @@ def make_plan(
         top_k=top_k + 1,
         time_limit_s=time_limit_s,
     )
-    if not found:
-        raise _infeasible(cluster, leanest, constraints)
+    if not res.found:
+        raise _infeasible(cluster, res.leanest, constraints)
     elapsed = time.perf_counter() - start
-    plan = to_plan(model, cluster, found[0], profile_at(found[0].strategy.micro_batch), elapsed)
+    best = replace(res.found[0], gap=res.gap)
+    plan = to_plan(model, cluster, best, profile_at(best.strategy.micro_batch), elapsed)
     validate_plan(
         plan,
         world_size=cluster.world_size,
@@ -579,13 +611,13 @@ def make_plan(
     )
     return PlanResult(
         plan=plan,
-        alternatives=tuple(found[1:]),
+        alternatives=tuple(res.found[1:]),
         baselines=baselines(
             profile_at, cluster, global_batch=global_batch, seq=seq, dtype=dtype, constraints=constraints
         ),
         solve_time_s=time.perf_counter() - start,
-        ilps_solved=ilps,
-        outer_candidates=outer,
+        ilps_solved=res.ilps,
+        outer_candidates=res.outer,
     )
 
 
