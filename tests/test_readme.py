@@ -17,4 +17,4 @@ def test_ci_runs_the_readme_test_command() -> None:
     lines = [ln for ln in quick.splitlines() if ln.startswith("pip install")]
     assert len(lines) == 2, "the quick start is exactly two commands"
     assert lines[1] == command.group(1)
-    assert "autopar inspect" in lines[0]
+    assert "autopar plan" in lines[0]

@@ -16,7 +16,8 @@ from autopar.cost_models.estimate import estimate
 from autopar.cost_models.profile import ModelProfile, at_micro_batch
 from autopar.cost_models.strategy import RECOMPUTE, Strategy
 from autopar.costing import profile_fn
-from autopar.planner import MIP_GAP, Constraints, make_plan, outer_strategies
+from autopar.layout_ilp import MIP_GAP
+from autopar.planner import Constraints, make_plan, outer_strategies
 from autopar.zoo import GPT, GPTConfig
 
 LAYERS, SEQ = 4, 128
