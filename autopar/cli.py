@@ -409,7 +409,18 @@ def _print_plan(
     console.print(plan.text().splitlines()[0])
     console.print(plan.text().splitlines()[1])
     table = Table(title="stages", show_edge=False, title_justify="left")
-    for col in ("stage", "layers", "recompute", "time/micro-batch", "states", "activations", "other", "peak"):
+    cols = (
+        "stage",
+        "layers",
+        "recompute",
+        "time/micro-batch",
+        "of which TP comm",
+        "states",
+        "activations",
+        "other",
+        "peak",
+    )
+    for col in cols:
         table.add_column(col, justify="left" if col in ("layers", "recompute") else "right")
     capacity = format_bytes(pred["memory_capacity_bytes"])
     for s, mem in zip(plan.stages, pred["memory"], strict=True):
@@ -421,6 +432,7 @@ def _print_plan(
             f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})",
             ", ".join(f"{n} {c}" for c, n in counts.items() if n) or "-",
             f"{1e3 * s.time_per_micro_batch_s:.1f} ms",
+            f"{1e3 * s.comm_per_micro_batch_s:.1f} ms",
             format_bytes(states),
             format_bytes(mem["activations"]),
             format_bytes(other),

@@ -30,6 +30,8 @@ class StagePlan:
     """Predicted peak memory per GPU."""
     time_per_micro_batch_s: float
     """Predicted compute + recompute + TP communication per micro-batch."""
+    comm_per_micro_batch_s: float = 0.0
+    """Of which tensor-parallel communication (exposed)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +72,7 @@ class Plan:
                     "recompute": [list(r) for r in s.recompute],
                     "peak_bytes": s.peak_bytes,
                     "time_per_micro_batch_s": s.time_per_micro_batch_s,
+                    "comm_per_micro_batch_s": s.comm_per_micro_batch_s,
                 }
                 for s in self.stages
             ],
@@ -94,6 +97,7 @@ class Plan:
                     recompute=tuple((str(a), str(b)) for a, b in s["recompute"]),
                     peak_bytes=s["peak_bytes"],
                     time_per_micro_batch_s=s["time_per_micro_batch_s"],
+                    comm_per_micro_batch_s=s.get("comm_per_micro_batch_s", 0.0),
                 )
                 for s in d["stages"]
             ),

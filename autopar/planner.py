@@ -373,6 +373,7 @@ def to_plan(
     st, est = cand.strategy, cand.estimate
     terms = build_terms(profile, cluster, st)
     counts = st.blocks_per_rank(profile.blocks)
+    loads = [rank_load(terms, k, c) for k, c in enumerate(counts)]
     edge = (profile.layer_names[0], profile.layer_names[-1])
     stages = []
     for k, layers in enumerate(stage_layer_names(profile, st)):
@@ -385,7 +386,8 @@ def to_plan(
                 layers=tuple(layers),
                 recompute=tuple(zip(blocks, choice, strict=True)),
                 peak_bytes=est.memory[k].peak_bytes,
-                time_per_micro_batch_s=rank_load(terms, k, counts[k]).time_s,
+                time_per_micro_batch_s=loads[k].time_s,
+                comm_per_micro_batch_s=loads[k].tp_s,
             )
         )
     gpn = cluster.gpus_per_node
