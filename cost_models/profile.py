@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from autopar.errors import AutoparError
 from autopar.graph import CapturedModel
 
 
@@ -104,8 +105,9 @@ class ModelProfile:
     def from_captured(cls, cap: CapturedModel) -> ModelProfile:
         """Summarise ``cap`` (needs a model with blocks and a residual stream)."""
         if cap.hidden_size is None or len(cap.layers) < 3:
-            raise ValueError(
-                "the cost model needs a model with repeated blocks between an embedding and a head"
+            raise AutoparError(
+                "the cost model needs a model with repeated blocks between an embedding and a head "
+                "(a ModuleList of blocks and a residual stream)"
             )
         h, s = cap.hidden_size, cap.seq
         nodes = {n.name: n for n in cap.gm.graph.nodes}

@@ -23,6 +23,7 @@ from autopar.cost_models.memory import (
 )
 from autopar.cost_models.profile import ModelProfile
 from autopar.cost_models.strategy import RECOMPUTE, Strategy
+from autopar.errors import AutoparError
 
 ADAM_BYTES_PER_PARAM = 30
 """Adam step traffic: read fp32 master, m, v, grad (16 B); write master, m, v, 16-bit weight (14 B)."""
@@ -123,7 +124,9 @@ def layer_units(
     tp_link = comm.group_link(cluster, size=t, stride=1)
     block_types = set(profile.layers[1:-1])
     if len(block_types) != 1:
-        raise ValueError(f"the cost model needs one repeated block type, got {sorted(block_types)}")
+        raise AutoparError(
+            f"the cost model and planner handle one repeated block type; this model has {sorted(block_types)}"
+        )
     (block_type,) = block_types
 
     def unit(name: str, recompute: str) -> Unit:
