@@ -267,3 +267,23 @@ def test_invalid_plans_exit_2_with_one_line(capsys, argv, message) -> None:
     code, _, err = _run(capsys, *base, *argv)
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_model_without_blocks_is_a_clear_error(capsys, tmp_path) -> None:
+    path = tmp_path / "flat.py"
+    path.write_text(
+        "import torch\n"
+        "class Flat(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = torch.nn.Embedding(16, 8)\n"
+        "        self.out = torch.nn.Linear(8, 16)\n"
+        "    def forward(self, idx):\n"
+        "        return self.out(self.emb(idx))\n"
+        "def make():\n"
+        "    return Flat()\n"
+    )
+    code, _, err = _run(
+        capsys, "estimate", f"{path}:make", "--cluster", "cpu", "--global-batch", "2", "--seq", "8"
+    )
+    assert code == 2 and "repeated blocks" in err and len(err.strip().splitlines()) == 1
