@@ -8,12 +8,15 @@ interchangeable, so a layout is p × 3 integers, not L × p binaries), solved
 with PuLP + HiGHS (CBC if HiGHS is missing). Its objective and constraints are
 ``cost_models.terms`` verbatim, so a layout's ILP value equals its estimate.
 
-Outer candidates are visited best lower bound first (the bound drops the
-bubble's imbalance, recompute, DP traffic and memory), and the search stops
-once the bound reaches the K-th best plan found: branch and bound over the
-enumeration. Two dominances shrink it further, both exact under the cost
-model: with tp > 1 sequence parallelism is never slower and never uses more
-memory, and GPipe is never faster than 1F1B but holds more activations.
+Outer candidates whose memory can hold no layout at all are dropped (an exact
+per-rank check); the rest are visited best lower bound first — perfect stage
+balance, only the recompute memory forces, the DP exposure of an average rank
+(a max of convex hinges is at least the hinge of the average) — and the search
+stops once no bound can beat the best plan found: branch and bound over the
+enumeration. An outer choice whose even split attains its bound needs no ILP.
+Two dominances shrink it further, both exact under the cost model: with
+tp > 1 sequence parallelism is never slower and never uses more memory, and
+GPipe is never faster than 1F1B but holds more activations.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from autopar.cluster import Cluster
 from autopar.cost_models.estimate import Estimate, estimate, stage_layer_names
@@ -107,7 +110,6 @@ class PlanResult:
     solve_time_s: float
     ilps_solved: int
     outer_candidates: int
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 def _divisors(n: int) -> list[int]:
