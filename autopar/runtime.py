@@ -1,0 +1,232 @@
+"""Runtime: ``parallelize`` applies a Plan to a model on torch.distributed (data parallel plans).
+
+This first runtime executes plans with tp = pp = 1: data parallelism with
+ZeRO 0 (DDP), ZeRO 1 (``ZeroRedundancyOptimizer`` over DDP), ZeRO 2 and 3
+(FSDP2 ``fully_shard`` per block and at the root, ``reshard_after_forward``
+False and True), per-block activation recomputation (non-reentrant
+``checkpoint_wrapper``; selective wraps the block's attention submodule),
+bf16 mixed precision (FSDP2 ``MixedPrecisionPolicy`` with fp32 reduction, or
+autocast under DDP) and gradient accumulation over the plan's micro-batches
+(no gradient sync until the last one). Tensor- and pipeline-parallel plans
+arrive with their passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Process-group timeout: a mismatched collective becomes an error, not a hang."""
+
+
+def lm_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a language model's logits (a tensor or ``.logits``)."""
+    logits = output.logits if hasattr(output, "logits") else output
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise AutoparError("the default loss needs logits of shape (batch, seq, vocab); pass loss_fn=")
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the process group from the torchrun environment if there is none (NCCL on GPUs, gloo else)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise AutoparError("no process group and no torchrun environment: launch with torchrun")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _agree_on_plan(plan: Plan) -> None:
+    """Every rank must hold the same plan before any other collective runs."""
+    hashes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, plan.hash)
+    if len(set(hashes)) != 1:
+        raise AutoparError(
+            f"ranks hold different plans (hashes {sorted(set(hashes))}); plan once and share it"
+        )
+
+
+def _apply_recompute(model: nn.Module, plan: Plan) -> int:
+    """Wrap each block the plan recomputes; returns how many were wrapped."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrapped = 0
+    for stage in plan.stages:
+        for name, choice in stage.recompute:
+            if choice == "none":
+                continue
+            target = name
+            if choice == "selective":
+                block = model.get_submodule(name)
+                attn = next((n for n, _ in block.named_children() if "attn" in n or "attention" in n), None)
+                if attn is None:
+                    continue
+                target = f"{name}.{attn}"
+            parent_name, _, child = target.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, child, checkpoint_wrapper(getattr(parent, child)))
+            wrapped += 1
+    return wrapped
+
+
+def _blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
+    names = [n for s in plan.stages for n, _ in s.recompute]
+    return [model.get_submodule(n) for n in names]
+
+
+@dataclass
+class ParallelModel:
+    """A model placed by a plan; ``train_step`` runs one optimizer step on this rank's data."""
+
+    module: nn.Module
+    """The wrapped module (DDP or FSDP2)."""
+    optimizer: torch.optim.Optimizer
+    """The optimizer over this rank's parameters."""
+    plan: Plan
+    """The plan being executed."""
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    """loss(model output, batch) → scalar."""
+    autocast_dtype: torch.dtype | None = None
+
+    @property
+    def micro_batches(self) -> int:
+        return self.plan.strategy.micro_batches
+
+    def _sync(self, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(self.module, FSDPModule):
+            self.module.set_requires_gradient_sync(enabled)
+        elif not enabled and isinstance(self.module, DistributedDataParallel):
+            return self.module.no_sync()
+        return contextlib.nullcontext()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.autocast(device, dtype=self.autocast_dtype)
+
+    def train_step(self, batch: torch.Tensor) -> float:
+        """Forward, backward over the plan's micro-batches, optimizer step; returns the mean loss
+        over all data-parallel ranks. ``batch`` is this rank's share: global batch / dp rows."""
+        st = self.plan.strategy
+        expected = st.global_batch // st.dp
+        if batch.shape[0] != expected:
+            raise AutoparError(
+                f"batch has {batch.shape[0]} sequences but the plan gives each of its {st.dp} "
+                f"data-parallel ranks {expected} (global batch {st.global_batch})"
+            )
+        total = torch.zeros((), dtype=torch.float32)
+        for i, micro in enumerate(batch.split(st.micro_batch)):
+            with self._sync(i == self.micro_batches - 1), self._autocast():
+                loss = self.loss_fn(self.module(micro), micro)
+                if loss.dim() != 0:
+                    raise AutoparError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+                (loss / self.micro_batches).backward()
+            total += loss.detach().float()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        mean = total / self.micro_batches
+        dist.all_reduce(mean)  # SUM: gloo has no AVG
+        return float(mean) / dist.get_world_size()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded parameters under the original names (collective: call on every rank)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    if seed is None:
+        yield
+        return
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_loss,
+    optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ParallelModel:
+    """Apply ``plan`` to ``model`` on this rank (call on every rank, inside torchrun).
+
+    The optimizer is ``optimizer_cls(params, **optimizer_kwargs)`` (default AdamW, lr 1e-3),
+    sharded over the data-parallel ranks under ZeRO ≥ 1.
+    """
+    init_distributed(timeout_s)
+    st = plan.strategy
+    world = dist.get_world_size()
+    if st.world_size != world:
+        raise AutoparError(
+            f"the plan is for {st.world_size} GPUs (tp·pp·dp = {st.tp}·{st.pp}·{st.dp}) but {world} "
+            "processes were launched; re-plan for this world (autopar plan --nodes/--cluster)"
+        )
+    if st.tp != 1 or st.pp != 1:
+        raise AutoparError(
+            f"this runtime executes data-parallel plans (tp = pp = 1); the plan has tp {st.tp}, pp {st.pp}"
+        )
+    model_blocks = {n for n, _ in model.named_modules()}
+    missing = [n for s in plan.stages for n, _ in s.recompute if n not in model_blocks]
+    if missing:
+        raise AutoparError(
+            f"the plan names layers this model lacks (e.g. {missing[0]!r}): it was made for {plan.model}"
+        )
+    _agree_on_plan(plan)
+    kwargs = optimizer_kwargs if optimizer_kwargs is not None else {"lr": 1e-3}
+    _apply_recompute(model, plan)
+    autocast = None
+    if st.zero >= 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if st.dtype == "bf16" and next(model.parameters()).dtype == torch.float32
+            else MixedPrecisionPolicy()
+        )
+        reshard = st.zero == 3
+        for block in _blocks(model, plan):
+            fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+        wrapped: nn.Module = model
+        opt = optimizer_cls(model.parameters(), **kwargs)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+        if st.dtype == "bf16" and next(model.parameters()).dtype == torch.float32:
+            autocast = torch.bfloat16
+        if st.zero == 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_cls, **kwargs)
+        else:
+            opt = optimizer_cls(model.parameters(), **kwargs)
+    return ParallelModel(module=wrapped, optimizer=opt, plan=plan, loss_fn=loss_fn, autocast_dtype=autocast)
