@@ -7,6 +7,7 @@ from autopar.errors import AutoparError, CaptureError, ClusterSpecError, ModelSp
 from autopar.graph import CapturedModel, capture
 from autopar.plan import Plan
 from autopar.planner import Constraints, InfeasibleError
+from autopar.runtime import ParallelModel, init_distributed, parallelize
 
 __version__ = "0.1.0"
 
@@ -55,7 +56,10 @@ __all__ = [
     "InfeasibleError",
     "LinkSpec",
     "ModelSpecError",
+    "ParallelModel",
     "Plan",
     "capture",
+    "init_distributed",
+    "parallelize",
     "plan",
 ]

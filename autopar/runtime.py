@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
@@ -146,6 +147,29 @@ class ParallelModel:
         dist.all_reduce(mean)  # SUM: gloo has no AVG
         return float(mean) / dist.get_world_size()
 
+    @torch.no_grad()
+    def eval_step(self, batch: torch.Tensor) -> float:
+        """Mean loss of this rank's batch over all ranks, without gradients or updates."""
+        with self._autocast():
+            loss = self.loss_fn(self.module(batch), batch).detach().float()
+        dist.all_reduce(loss)
+        return float(loss) / dist.get_world_size()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state for ``torch.distributed.checkpoint`` (sharded as trained)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of ``state_dict`` (after ``torch.distributed.checkpoint.load`` into it)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded parameters under the original names (collective: call on every rank)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -167,10 +191,47 @@ def _seeded(seed: int | None) -> Iterator[None]:
         torch.random.set_rng_state(state)
 
 
+def plan_for_world(
+    model: nn.Module, cluster: Cluster, *, global_batch: int, seq: int, dtype: str = "fp32"
+) -> Plan:
+    """Rank 0 plans for the launched world and broadcasts the plan (every rank calls this)."""
+    world = dist.get_world_size()
+    if cluster.world_size != world:
+        raise AutoparError(
+            f"the cluster has {cluster.world_size} GPUs but {world} processes were launched; "
+            "describe the cluster you launched on (e.g. Cluster.preset('cpu', gpus_per_node=N))"
+        )
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        from autopar.costing import profile_fn
+        from autopar.planner import Constraints, make_plan
+
+        try:
+            result = make_plan(
+                type(model).__name__,
+                profile_fn(model, dtype=dtype, seq=seq),  # captured on fake tensors: no compute
+                cluster,
+                global_batch=global_batch,
+                seq=seq,
+                dtype=dtype,
+                constraints=Constraints(tp=1, pp=1),
+            )
+            box[0] = ("plan", result.plan.to_json())
+        except AutoparError as e:  # every rank must hear it, not wait for a plan
+            box[0] = ("error", str(e))
+    dist.broadcast_object_list(box, src=0)
+    kind, text = box[0]
+    if kind == "error":
+        raise AutoparError(text)
+    return Plan.from_json(text)
+
+
 def parallelize(
     model: nn.Module,
-    plan: Plan,
+    plan: Plan | Cluster,
     *,
+    global_batch: int | None = None,
+    seq: int | None = None,
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] = lm_loss,
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
     optimizer_kwargs: dict[str, Any] | None = None,
@@ -178,11 +239,22 @@ def parallelize(
 ) -> ParallelModel:
     """Apply ``plan`` to ``model`` on this rank (call on every rank, inside torchrun).
 
+    ``plan`` is a Plan, or a Cluster to plan for here (rank 0 plans data-parallel
+    strategies for the launched world with ``global_batch`` and ``seq``, and broadcasts).
     The optimizer is ``optimizer_cls(params, **optimizer_kwargs)`` (default AdamW, lr 1e-3),
     sharded over the data-parallel ranks under ZeRO ≥ 1.
     """
     init_distributed(timeout_s)
+    if isinstance(plan, Cluster):
+        if global_batch is None or seq is None:
+            raise AutoparError("planning here needs global_batch= and seq= (or pass a Plan)")
+        dtype = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
+        plan = plan_for_world(model, plan, global_batch=global_batch, seq=seq, dtype=dtype)
     st = plan.strategy
+    if st.dtype == "fp16":
+        raise AutoparError(
+            "fp16 plans need dynamic loss scaling, which this runtime does not have yet; plan bf16"
+        )
     world = dist.get_world_size()
     if st.world_size != world:
         raise AutoparError(

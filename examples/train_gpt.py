@@ -1,0 +1,59 @@
+"""Train a small GPT with autopar on whatever torchrun launched (CPU + gloo here, GPUs + NCCL there).
+
+    torchrun --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--global-batch 16] [--seq 64]
+
+autopar plans for the launched world (rank 0 plans, every rank gets the same plan),
+applies the plan, and this script trains on synthetic tokens, logging loss, tokens/s
+and peak memory per step on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.zoo import GPT, GPTConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=64)
+    args = parser.parse_args()
+
+    autopar.init_distributed()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, vocab_size=512, block_size=args.seq))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    preset = "dgx-h100" if torch.cuda.is_available() else "cpu"
+    cluster = autopar.Cluster.preset(preset, nodes=world // per_node, gpus_per_node=per_node)
+    pm = autopar.parallelize(model, cluster, global_batch=args.global_batch, seq=args.seq)
+    if rank == 0:
+        print(pm.plan.text(), flush=True)
+    local = args.global_batch // pm.plan.strategy.dp
+    generator = torch.Generator().manual_seed(1)
+    for step in range(args.steps):
+        batch = torch.randint(0, 512, (args.global_batch, args.seq), generator=generator)
+        t0 = time.perf_counter()
+        loss = pm.train_step(batch[rank * local : (rank + 1) * local])
+        dt = time.perf_counter() - t0
+        if rank == 0:
+            peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            print(
+                f"step {step:3d}  loss {loss:.4f}  {args.global_batch * args.seq / dt:,.0f} tokens/s  "
+                f"peak RSS {peak_mib:.0f} MiB",
+                flush=True,
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
