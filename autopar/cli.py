@@ -108,6 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+    p = sub.add_parser("verify", help="run a plan on local gloo processes against single-process training")
+    p.add_argument("model", metavar="MODEL", help="zoo name or factory returning a model with real weights")
+    p.add_argument("--cluster", default="cpu", help="cluster preset or YAML (default cpu)")
+    p.add_argument("--nproc", type=_positive, default=2, help="local processes (default 2)")
+    p.add_argument("--plan", default=None, help="a plan JSON (from autopar plan --out); else planned here")
+    p.add_argument("--steps", type=_positive, default=3, help="training steps to compare (default 3)")
+    p.add_argument("--global-batch", type=_positive, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq", type=_positive, default=32, help="sequence length (default 32)")
+    p.add_argument("--dp", type=_positive, default=None)
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None)
+    p.add_argument("--micro-batch", type=_positive, default=None)
+    p.add_argument("--recompute", default="none,selective,full", help="recompute choices allowed")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
     p = sub.add_parser("models", help="list the built-in models")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -480,6 +495,66 @@ def _print_plan(
     console.print(why)
 
 
+def cmd_verify(args: argparse.Namespace, console: Console) -> None:
+    from autopar.cluster import Cluster
+    from autopar.costing import profile_fn
+    from autopar.plan import Plan
+    from autopar.planner import Constraints, make_plan
+    from autopar.verify import verify_plan
+
+    if args.plan:
+        try:
+            with open(args.plan) as f:
+                plan = Plan.from_json(f.read())
+        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+            raise AutoparError(f"can't read plan {args.plan!r}: {e}") from None
+    else:
+        cluster = Cluster.load(args.cluster, gpus_per_node=args.nproc)
+        allowed = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
+        constraints = Constraints(
+            tp=1, pp=1, dp=args.dp, zero=args.zero, micro_batch=args.micro_batch, recompute=allowed
+        )
+        plan = make_plan(
+            args.model,
+            profile_fn(args.model, dtype=args.dtype, seq=args.seq),
+            cluster,
+            global_batch=args.global_batch,
+            seq=args.seq,
+            dtype=args.dtype,
+            constraints=constraints,
+        ).plan
+    _progress(args, f"running {plan.strategy.world_size} processes and the single-process reference …")
+    vocab = profile_fn(args.model, dtype=args.dtype, seq=plan.strategy.seq)(1).vocab
+    report = verify_plan(args.model, plan, nproc=args.nproc, steps=args.steps, vocab=vocab)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "plan": plan.strategy.to_dict(),
+                    "losses": report.losses,
+                    "reference_losses": report.reference_losses,
+                    "max_loss_diff": report.max_loss_diff,
+                    "max_param_diff": report.max_param_diff,
+                    "loss_tolerance": report.loss_tolerance,
+                    "param_tolerance": report.param_tolerance,
+                    "passed": report.passed,
+                },
+                indent=2,
+            )
+        )
+    else:
+        console.print(plan.text())
+        for i, (a, b) in enumerate(zip(report.losses, report.reference_losses, strict=True)):
+            console.print(f"step {i}: loss {a:.6f}  reference {b:.6f}  diff {abs(a - b):.2e}")
+        console.print(
+            f"max parameter diff {report.max_param_diff:.2e} (tolerance {report.param_tolerance:.0e}), "
+            f"max loss diff {report.max_loss_diff:.2e} (tolerance {report.loss_tolerance:.0e}): "
+            f"{'PASS' if report.passed else 'FAIL'}"
+        )
+    if not report.passed:
+        raise SystemExit(1)
+
+
 def cmd_models(args: argparse.Namespace, console: Console) -> None:
     from autopar.zoo import ZOO, build
 
@@ -558,6 +633,7 @@ COMMANDS: dict[str, Any] = {
     "plan": cmd_plan,
     "inspect": cmd_inspect,
     "estimate": cmd_estimate,
+    "verify": cmd_verify,
     "models": cmd_models,
     "clusters": cmd_clusters,
 }

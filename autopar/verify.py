@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.runtime import lm_loss, parallelize
 
@@ -66,3 +68,74 @@ def dp_worker(
             torch.save(results, out)
     finally:
         dist.destroy_process_group()
+
+
+def build_model(spec: str, seed: int = 0) -> nn.Module:
+    """MODEL ``spec`` with real fp32 weights on the CPU, seeded (the same on every rank)."""
+    from autopar import zoo
+    from autopar.models import load_factory
+
+    torch.manual_seed(seed)
+    if spec in zoo.ZOO:
+        return zoo.build(spec, device="cpu", dtype=torch.float32)
+    model = load_factory(spec)()
+    if not isinstance(model, nn.Module):
+        raise AutoparError(f"{spec!r} returned {type(model).__name__}, expected an nn.Module")
+    return model
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """Distributed run vs single process, step by step."""
+
+    losses: list[float]
+    reference_losses: list[float]
+    max_param_diff: float
+    loss_tolerance: float
+    param_tolerance: float
+
+    @property
+    def max_loss_diff(self) -> float:
+        return max(abs(a - b) for a, b in zip(self.losses, self.reference_losses, strict=True))
+
+    @property
+    def passed(self) -> bool:
+        return self.max_loss_diff <= self.loss_tolerance and self.max_param_diff <= self.param_tolerance
+
+
+def verify_plan(spec: str, plan: Plan, *, nproc: int, steps: int, vocab: int) -> VerifyReport:
+    """Run ``plan`` on ``nproc`` local gloo processes and the single-process reference."""
+    import functools
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    st = plan.strategy
+    if st.world_size != nproc:
+        raise AutoparError(f"the plan is for {st.world_size} processes but --nproc is {nproc}")
+    make = functools.partial(build_model, spec)
+    data = torch.randint(
+        0, vocab, (steps, st.global_batch, st.seq), generator=torch.Generator().manual_seed(1)
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/results.pt"
+        mp.spawn(
+            dp_worker,
+            args=(nproc, f"file://{tmp}/init", make, [plan.to_json()], data, steps, out),
+            nprocs=nproc,
+            join=True,
+        )
+        result = torch.load(out)[0]
+    ref_losses, ref_state = run_reference(make, data, steps)
+    diff = max(
+        (result["state"][k] - v).abs().max().item() for k, v in ref_state.items() if k in result["state"]
+    )
+    # fp32: gradient averages are re-associated across ranks and micro-batches; bf16 rounds them
+    loose = st.dtype != "fp32"
+    return VerifyReport(
+        losses=result["losses"],
+        reference_losses=ref_losses,
+        max_param_diff=diff,
+        loss_tolerance=5e-2 if loose else 1e-4,
+        param_tolerance=5e-2 if loose else 1e-3,
+    )

@@ -84,3 +84,53 @@ def test_plan_for_another_world_is_a_clear_error(tmp_path) -> None:
             parallelize(make_model(), Plan.from_json(plan))
     finally:
         dist.destroy_process_group()
+
+
+TINY = """
+from autopar.zoo import GPT, GPTConfig
+def tiny():
+    return GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=32))
+"""
+
+
+def test_verify_cli_passes_and_reports(capsys, tmp_path) -> None:
+    import json
+
+    from autopar.cli import main
+
+    path = tmp_path / "tiny.py"
+    path.write_text(TINY)
+    code = main(
+        [
+            "verify",
+            f"{path}:tiny",
+            "--nproc",
+            "2",
+            "--zero",
+            "2",
+            "--micro-batch",
+            "2",
+            "--steps",
+            "2",
+            "--json",
+        ]
+    )
+    rep = json.loads(capsys.readouterr().out)
+    assert code == 0 and rep["passed"]
+    assert rep["plan"]["dp"] == 2 and rep["plan"]["zero"] == 2 and len(rep["losses"]) == 2
+    assert rep["max_loss_diff"] <= 1e-5 and rep["max_param_diff"] <= 1e-4
+
+
+def test_verify_cli_bad_plans_exit_2(capsys, tmp_path) -> None:
+    from autopar.cli import main
+
+    path = tmp_path / "tiny.py"
+    path.write_text(TINY)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["verify", f"{path}:tiny", "--plan", str(bad)]) == 2
+    assert "can't read plan" in capsys.readouterr().err
+    good = tmp_path / "plan.json"
+    good.write_text(_plan(0, 4, "none"))
+    assert main(["verify", f"{path}:tiny", "--plan", str(good), "--nproc", "3"]) == 2
+    assert "the plan is for 2 processes but --nproc is 3" in capsys.readouterr().err
