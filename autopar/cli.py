@@ -506,7 +506,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
         try:
             with open(args.plan) as f:
                 plan = Plan.from_json(f.read())
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError, AutoparError) as e:
             raise AutoparError(f"can't read plan {args.plan!r}: {e}") from None
     else:
         cluster = Cluster.load(args.cluster, gpus_per_node=args.nproc)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from autopar.cost_models.strategy import Strategy
+from autopar.errors import AutoparError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +84,15 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
-        """Inverse of ``to_dict``."""
+        """Inverse of ``to_dict``; a malformed plan is a one-line ``AutoparError``."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        missing = sorted(known - set(d) - {"solve_time_s", "optimality_gap"})
+        if unknown or missing:
+            what = (
+                f"unknown plan field {unknown[0]!r}" if unknown else f"plan field {missing[0]!r} is missing"
+            )
+            raise AutoparError(f"{what}; is this a plan written by `autopar plan --out`?")
         return cls(
             model=d["model"],
             cluster=d["cluster"],

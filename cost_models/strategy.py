@@ -6,7 +6,7 @@ line why a strategy is impossible for a model on a cluster.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from autopar.errors import AutoparError
@@ -118,6 +118,10 @@ class Strategy:
     def from_dict(cls, d: dict[str, Any]) -> Strategy:
         """Inverse of ``to_dict``."""
         d = dict(d)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise StrategyError(f"unknown plan field {unknown[0]!r}; expected {', '.join(sorted(known))}")
         d["layout"] = tuple(tuple(c) for c in d.get("layout", ()))
         return cls(**d)
 

@@ -134,3 +134,56 @@ def test_verify_cli_bad_plans_exit_2(capsys, tmp_path) -> None:
     good.write_text(_plan(0, 4, "none"))
     assert main(["verify", f"{path}:tiny", "--plan", str(good), "--nproc", "3"]) == 2
     assert "the plan is for 2 processes but --nproc is 3" in capsys.readouterr().err
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg1'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _plan_for_one() -> str:
+    with torch.device("meta"):
+        meta = GPT(CFG)
+    cons = Constraints(tp=1, pp=1, dp=1, micro_batch=2, recompute=("none",))
+    return make_plan(
+        "tiny-gpt",
+        profile_fn(meta, dtype="fp32", seq=SEQ),
+        Cluster.preset("cpu", gpus_per_node=1),
+        global_batch=4,
+        seq=SEQ,
+        dtype="fp32",
+        constraints=cons,
+    ).plan.to_json()
+
+
+def test_bad_input_is_a_clear_error(world_of_one) -> None:
+    import json
+
+    from autopar.errors import AutoparError
+    from autopar.plan import Plan
+    from autopar.runtime import parallelize
+
+    text = _plan_for_one()
+    tampered = json.loads(text)
+    tampered["strategy"]["tpp"] = 2
+    with pytest.raises(AutoparError, match="unknown plan field 'tpp'"):
+        Plan.from_dict(tampered)
+    with pytest.raises(AutoparError, match="unknown plan field 'extra'"):
+        Plan.from_dict({**json.loads(text), "extra": 1})
+    plan = Plan.from_json(text)
+    other = GPT(
+        GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
+    )  # blocks 2, 3 missing
+    with pytest.raises(AutoparError, match=r"the plan names layers this model lacks \(e.g. 'blocks.2'\)"):
+        parallelize(other, plan)
+    pm = parallelize(make_model(), plan)
+    tokens = torch.randint(0, CFG.vocab_size, (4, SEQ))
+    with pytest.raises(AutoparError, match="batch has 3 sequences but the plan gives each of its 1"):
+        pm.train_step(tokens[:3])
+    pm.loss_fn = lambda out, batch: out.sum(-1)  # not a scalar
+    with pytest.raises(AutoparError, match="loss_fn must return a scalar"):
+        pm.train_step(tokens)
