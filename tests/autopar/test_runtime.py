@@ -22,30 +22,31 @@ def make_model() -> torch.nn.Module:
     return GPT(CFG)
 
 
-def _plan(zero: int, micro_batch: int, recompute: str) -> str:
+def _plan(zero: int, micro_batch: int, recompute: str, dtype: str = "fp32") -> str:
     with torch.device("meta"):
         meta = GPT(CFG)
     cons = Constraints(tp=1, pp=1, dp=WORLD, zero=zero, micro_batch=micro_batch, recompute=(recompute,))
     result = make_plan(
         "tiny-gpt",
-        profile_fn(meta, dtype="fp32", seq=SEQ),
+        profile_fn(meta, dtype=dtype, seq=SEQ),
         Cluster.preset("cpu"),
         global_batch=BATCH,
         seq=SEQ,
-        dtype="fp32",
+        dtype=dtype,
         constraints=cons,
     )
     return result.plan.to_json()
 
 
 CASES = [(0, 4, "none"), (1, 2, "full"), (2, 1, "none"), (3, 2, "full")]
+BF16_CASES = [(0, 4, "none", "bf16"), (3, 2, "none", "bf16")]  # autocast under DDP; FSDP2 bf16 params
 
 
 @pytest.fixture(scope="module")
 def distributed_results(tmp_path_factory):
     torch.manual_seed(1)
     data = torch.randint(0, CFG.vocab_size, (STEPS, BATCH, SEQ))
-    plans = [_plan(*case) for case in CASES]
+    plans = [_plan(*case) for case in CASES + BF16_CASES]
     out = tmp_path_factory.mktemp("dp") / "results.pt"
     init = f"file://{tmp_path_factory.mktemp('pg') / 'init'}"
     mp.spawn(dp_worker, args=(WORLD, init, make_model, plans, data, STEPS, str(out)), nprocs=WORLD, join=True)
@@ -69,6 +70,16 @@ def test_dp_plan_matches_single_process(distributed_results, index: int) -> None
     worst = max((got["state"][k] - v).abs().max().item() for k, v in ref_state.items() if k in got["state"])
     gap = max(abs(a - b) for a, b in zip(got["losses"], ref_losses, strict=True))
     print(f"{CASES[index]}: max loss diff {gap:.1e}, max parameter diff {worst:.1e}")
+
+
+@pytest.mark.parametrize("index", range(len(BF16_CASES)))
+def test_bf16_plan_tracks_fp32_training(distributed_results, index: int) -> None:
+    data, results = distributed_results
+    ref_losses, _ = run_reference(make_model, data, STEPS)
+    got = results[len(CASES) + index]
+    # bf16 compute with fp32 master weights and fp32 reduction: losses within bf16 rounding
+    assert got["losses"] == pytest.approx(ref_losses, abs=2e-3), BF16_CASES[index]
+    assert got["losses"] != pytest.approx(ref_losses, abs=1e-7)  # bf16 really ran
 
 
 def test_plan_for_another_world_is_a_clear_error(tmp_path) -> None:
