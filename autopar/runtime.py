@@ -159,6 +159,11 @@ class ParallelModel:
         """Model and optimizer state for ``torch.distributed.checkpoint`` (sharded as trained)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if self.plan.strategy.zero == 1:
+            raise AutoparError(
+                "checkpointing ZeRO-1 plans is not supported yet (ZeroRedundancyOptimizer has no "
+                "sharded state dict); plan with --zero 0, 2 or 3"
+            )
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         return {"model": model_sd, "optimizer": optim_sd}
 
