@@ -128,9 +128,15 @@ class ParallelModel:
         over all data-parallel ranks. ``batch`` is this rank's share: global batch / dp rows."""
         st = self.plan.strategy
         expected = st.global_batch // st.dp
-        if batch.shape[0] != expected:
+        # Agree on the batch sizes first: a wrong batch on one rank is an error on every rank,
+        # not a hang in the other ranks' gradient all-reduce.
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+        dist.all_gather(sizes, torch.tensor([batch.shape[0]]))
+        bad = [(rank, int(n)) for rank, n in enumerate(sizes) if int(n) != expected]
+        if bad:
+            rank, n = bad[0]
             raise AutoparError(
-                f"batch has {batch.shape[0]} sequences but the plan gives each of its {st.dp} "
+                f"rank {rank}'s batch has {n} sequences but the plan gives each of its {st.dp} "
                 f"data-parallel ranks {expected} (global batch {st.global_batch})"
             )
         total = torch.zeros((), dtype=torch.float32)

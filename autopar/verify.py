@@ -171,3 +171,30 @@ def verify_plan(spec: str, plan: Plan, *, nproc: int, steps: int, vocab: int) ->
         loss_tolerance=5e-2 if loose else 1e-4,
         param_tolerance=5e-2 if loose else 1e-3,
     )
+
+
+def bad_batch_worker(rank: int, world: int, init_method: str, plan_json: str, out: str) -> None:
+    """Self-check: the last rank passes a batch of the wrong size; every rank must raise the
+    same clear error promptly (no rank left waiting in a collective)."""
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    plan = Plan.from_json(plan_json)
+    torch.manual_seed(0)
+    pm = parallelize(_tiny_gpt(plan.strategy.seq), plan)
+    local = plan.strategy.global_batch // world - (1 if rank == world - 1 else 0)
+    try:
+        pm.train_step(torch.zeros(local, plan.strategy.seq, dtype=torch.long))
+        message = "no error"
+    except AutoparError as e:
+        message = str(e)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(message)
+    dist.destroy_process_group()
+
+
+def _tiny_gpt(seq: int) -> nn.Module:
+    """The 4-block GPT the self-checks plan for (layer names ``blocks.0`` … ``blocks.3``)."""
+    from autopar.zoo import GPT, GPTConfig
+
+    return GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=seq))

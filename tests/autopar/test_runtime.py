@@ -3,6 +3,8 @@ single-process training on the same data."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -195,8 +197,26 @@ def test_bad_input_is_a_clear_error(world_of_one) -> None:
         parallelize(other, plan)
     pm = parallelize(make_model(), plan)
     tokens = torch.randint(0, CFG.vocab_size, (4, SEQ))
-    with pytest.raises(AutoparError, match="batch has 3 sequences but the plan gives each of its 1"):
+    with pytest.raises(AutoparError, match="rank 0's batch has 3 sequences but the plan gives each of its 1"):
         pm.train_step(tokens[:3])
     pm.loss_fn = lambda out, batch: out.sum(-1)  # not a scalar
     with pytest.raises(AutoparError, match="loss_fn must return a scalar"):
         pm.train_step(tokens)
+
+
+def test_a_bad_batch_on_one_rank_is_an_error_on_every_rank(tmp_path) -> None:
+    import time
+
+    from autopar.verify import bad_batch_worker
+
+    start = time.perf_counter()
+    out = str(tmp_path / "msg")
+    mp.spawn(
+        bad_batch_worker,
+        args=(WORLD, f"file://{tmp_path / 'pg'}", _plan(0, 4, "none"), out),
+        nprocs=WORLD,
+        join=True,
+    )
+    messages = [Path(f"{out}.{r}").read_text() for r in range(WORLD)]
+    assert all("rank 1's batch has 3 sequences" in m for m in messages), messages
+    assert time.perf_counter() - start < 50  # well inside the 60 s process-group timeout: no hang
