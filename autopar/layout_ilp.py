@@ -56,9 +56,10 @@ def solve_layout(
     """The ILP over block counts per rank; returns (layout, proven gap) or None if nothing fits."""
     st = terms.strategy
     p, m, v = st.pp, st.micro_batches, st.virtual_stages
-    choices = [
-        r for r in allowed if not (r == "selective" and terms.block["selective"] == terms.block["none"])
-    ]
+    # Selective recompute of a model whose attention keeps nothing quadratic (flash) is the
+    # same as none: drop the duplicate when none is allowed too.
+    same = terms.block["selective"] == terms.block["none"]
+    choices = [r for r in allowed if not (r == "selective" and same and "none" in allowed)]
     prob = pulp.LpProblem("layout", pulp.LpMinimize)
     per_rank_fixed = blocks // p if v > 1 else None
     # Tight bounds from each rank's memory alone (max_blocks) make the relaxation much stronger.

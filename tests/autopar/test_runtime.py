@@ -40,7 +40,7 @@ def _plan(zero: int, micro_batch: int, recompute: str, dtype: str = "fp32") -> s
     return result.plan.to_json()
 
 
-CASES = [(0, 4, "none"), (1, 2, "full"), (2, 1, "none"), (3, 2, "full")]
+CASES = [(0, 4, "none"), (1, 2, "full"), (2, 1, "none"), (3, 2, "full"), (0, 2, "selective")]
 BF16_CASES = [(0, 4, "none", "bf16"), (3, 2, "none", "bf16")]  # autocast under DDP; FSDP2 bf16 params
 
 
