@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=_positive, default=None)
     p.add_argument("--recompute", default="none,selective,full", help="recompute choices allowed")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
+    p.add_argument(
+        "--loss",
+        default=None,
+        help="module:fn or file.py:fn taking (model output, tokens) → scalar (default next-token CE)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = sub.add_parser("models", help="list the built-in models")
@@ -525,7 +530,13 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
         ).plan
     _progress(args, f"running {plan.strategy.world_size} processes and the single-process reference …")
     vocab = profile_fn(args.model, dtype=args.dtype, seq=plan.strategy.seq)(1).vocab
-    report = verify_plan(args.model, plan, nproc=args.nproc, steps=args.steps, vocab=vocab)
+    if args.loss:
+        from autopar.verify import resolve_loss
+
+        resolve_loss(args.loss)  # a bad --loss is a user error here, not in every worker
+    report = verify_plan(
+        args.model, plan, nproc=args.nproc, steps=args.steps, vocab=vocab, loss_spec=args.loss
+    )
     if args.json:
         print(
             json.dumps(

@@ -39,7 +39,7 @@ class ResolvedModel:
     """Shape of a zoo GPT (enables the GPT closed-form checks)."""
 
 
-def load_factory(spec: str) -> Callable[[], Any]:
+def load_factory(spec: str) -> Callable[..., Any]:
     """The callable named by ``file.py:factory`` or ``package.module:factory``."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:

@@ -24,15 +24,26 @@ from autopar.runtime import lm_loss, parallelize
 LR = 1e-2
 
 
+def resolve_loss(spec: str | None) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """``module:fn`` or ``path/to/file.py:fn`` taking (model output, tokens); None: next-token CE."""
+    if spec is None:
+        return lm_loss
+    from autopar.models import load_factory
+
+    fn: Callable[[Any, torch.Tensor], torch.Tensor] = load_factory(spec)
+    return fn
+
+
 def run_reference(
-    make_model: Callable[[], nn.Module], data: torch.Tensor, steps: int
+    make_model: Callable[[], nn.Module], data: torch.Tensor, steps: int, loss_spec: str | None = None
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train on the full batch ``data`` (steps × global batch × seq) in this process."""
+    loss_fn = resolve_loss(loss_spec)
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
-        loss = lm_loss(model(data[step]), data[step])
+        loss = loss_fn(model(data[step]), data[step])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -49,8 +60,10 @@ def dp_worker(
     data: torch.Tensor,
     steps: int,
     out: str,
+    loss_spec: str | None = None,
 ) -> None:
-    """One rank: run each plan (JSON) for ``steps`` steps on this rank's rows; rank 0 saves results."""
+    """One rank: run each plan (JSON) for ``steps`` steps on this rank's rows; rank 0 saves results.
+    ``loss_spec`` names the loss (resolved here: user modules don't pickle)."""
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
     )
@@ -59,7 +72,7 @@ def dp_worker(
     try:
         for text in plans:
             plan = Plan.from_json(text)
-            pm = parallelize(make_model(), plan, optimizer_kwargs={"lr": LR})
+            pm = parallelize(make_model(), plan, loss_fn=resolve_loss(loss_spec), optimizer_kwargs={"lr": LR})
             local = plan.strategy.global_batch // world
             losses = [pm.train_step(data[step, rank * local : (rank + 1) * local]) for step in range(steps)]
             state = pm.full_state_dict()
@@ -135,7 +148,9 @@ class VerifyReport:
         return self.max_loss_diff <= self.loss_tolerance and self.max_param_diff <= self.param_tolerance
 
 
-def verify_plan(spec: str, plan: Plan, *, nproc: int, steps: int, vocab: int) -> VerifyReport:
+def verify_plan(
+    spec: str, plan: Plan, *, nproc: int, steps: int, vocab: int, loss_spec: str | None = None
+) -> VerifyReport:
     """Run ``plan`` on ``nproc`` local gloo processes and the single-process reference."""
     import functools
     import tempfile
@@ -153,12 +168,12 @@ def verify_plan(spec: str, plan: Plan, *, nproc: int, steps: int, vocab: int) ->
         out = f"{tmp}/results.pt"
         mp.spawn(
             dp_worker,
-            args=(nproc, f"file://{tmp}/init", make, [plan.to_json()], data, steps, out),
+            args=(nproc, f"file://{tmp}/init", make, [plan.to_json()], data, steps, out, loss_spec),
             nprocs=nproc,
             join=True,
         )
         result = torch.load(out)[0]
-    ref_losses, ref_state = run_reference(make, data, steps)
+    ref_losses, ref_state = run_reference(make, data, steps, loss_spec)
     diff = max(
         (result["state"][k] - v).abs().max().item() for k, v in ref_state.items() if k in result["state"]
     )

@@ -102,9 +102,12 @@ def test_plan_for_another_world_is_a_clear_error(tmp_path) -> None:
 
 
 TINY = """
+import torch.nn.functional as F
 from autopar.zoo import GPT, GPTConfig
 def tiny():
     return GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=32))
+def last_token_loss(logits, tokens):
+    return F.cross_entropy(logits[:, -2].float(), tokens[:, -1])
 """
 
 
@@ -127,6 +130,8 @@ def test_verify_cli_passes_and_reports(capsys, tmp_path) -> None:
             "2",
             "--steps",
             "2",
+            "--loss",
+            f"{path}:last_token_loss",
             "--json",
         ]
     )
