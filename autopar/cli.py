@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +14,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from autopar.cli_common import count, progress
+from autopar.cli_plan import cmd_plan, cmd_verify
 from autopar.errors import AutoparError
 from autopar.units import format_bytes, format_si
 
@@ -143,7 +144,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
 
     resolved = resolve(args.model, dtype=args.dtype)
     seq = args.seq or resolved.default_seq
-    _progress(args, f"capturing {args.model} at batch {args.batch}, seq {seq} …")
+    progress(args, f"capturing {args.model} at batch {args.batch}, seq {seq} …")
     cap = capture(resolved.module, batch=args.batch, seq=seq)
     rep = report(cap, model=args.model, dtype=args.dtype, gpt=resolved.gpt)
     if args.json:
@@ -165,7 +166,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
         table.add_row(
             t["name"],
             str(t["count"]),
-            _count(t["params"]),
+            count(t["params"]),
             format_si(t["fwd_flops"], "FLOP"),
             format_si(t["bwd_flops"], "FLOP"),
             format_bytes(t["saved_bytes"]),
@@ -173,7 +174,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
     table.add_row(
         "[bold]total[/bold]",
         str(rep["num_layers"]),
-        _count(rep["total_params"]),
+        count(rep["total_params"]),
         format_si(rep["forward_flops"], "FLOP"),
         format_si(rep["total_flops"] - rep["forward_flops"], "FLOP"),
         format_bytes(rep["saved_bytes"]),
@@ -186,7 +187,7 @@ def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
             checks.add_column(col, justify="left" if col in ("quantity", "formula") else "right")
         for c in rep["checks"]:
             fmt = (
-                _count
+                count
                 if c["name"] == "parameters"
                 else ((lambda x: format_si(x, "FLOP")) if "FLOP" in c["name"] else format_bytes)
             )
@@ -236,7 +237,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
     )
     if strategy.world_size != cluster.world_size:  # before the capture: say it at once
         check_strategy(strategy, world_size=cluster.world_size, blocks=10**9, heads=None)
-    _progress(args, f"capturing {args.model} at micro-batch {args.micro_batch}, seq {seq} …")
+    progress(args, f"capturing {args.model} at micro-batch {args.micro_batch}, seq {seq} …")
     profile = profile_model(args.model, dtype=args.dtype, micro_batch=args.micro_batch, seq=seq)
     reserve = args.reserve_gib * 2**30 if args.reserve_gib is not None else None
     est = estimate(profile, cluster, strategy, reserve_bytes=reserve)
@@ -298,274 +299,6 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         console.print(f"[dim]note: {note}[/dim]")
 
 
-def cmd_plan(args: argparse.Namespace, console: Console) -> None:
-    from autopar.cluster import Cluster
-    from autopar.cost_models.strategy import RECOMPUTE
-    from autopar.costing import profile_fn
-    from autopar.models import resolve
-    from autopar.planner import Constraints, make_plan
-
-    cluster = Cluster.load(args.cluster, nodes=args.nodes)
-    seq = args.seq or resolve(args.model, dtype=args.dtype).default_seq
-    allowed = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
-    if not allowed or any(x not in RECOMPUTE for x in allowed):
-        raise AutoparError(
-            f"--recompute takes a comma-separated subset of {', '.join(RECOMPUTE)}, got {args.recompute!r}"
-        )
-    constraints = Constraints(
-        tp=args.tp,
-        pp=args.pp,
-        dp=args.dp,
-        zero=args.zero,
-        micro_batch=args.micro_batch,
-        schedule=args.schedule,
-        virtual_stages=args.virtual_stages,
-        sequence_parallel=args.sequence_parallel,
-        recompute=allowed,
-        memory_cap_bytes=args.memory_cap_gib * 2**30 if args.memory_cap_gib else None,
-    )
-    _progress(args, f"capturing {args.model} at seq {seq} …")
-    profile_at = profile_fn(args.model, dtype=args.dtype, seq=seq)
-    profile_at(1)
-    profile_at(2)  # the two captures every micro-batch size is derived from
-    _progress(args, "planning …")
-    result = make_plan(
-        args.model,
-        profile_at,
-        cluster,
-        global_batch=args.global_batch,
-        seq=seq,
-        dtype=args.dtype,
-        constraints=constraints,
-        top_k=args.top,
-        time_limit_s=args.time_limit,
-    )
-    plan = result.plan
-    if args.out:
-        tmp = f"{args.out}.tmp"
-        with open(tmp, "w") as f:
-            f.write(plan.to_json())
-        os.replace(tmp, args.out)
-    best = plan.predicted["step_time_s"]
-    alternatives = [_candidate_dict(c, best) for c in result.alternatives]
-    baselines = {k: (_candidate_dict(c, best) if c else None) for k, c in result.baselines.items()}
-    if args.json:
-        st = plan.strategy
-        print(
-            json.dumps(
-                {
-                    "model": args.model,
-                    "cluster": cluster.name,
-                    "nodes": cluster.num_nodes,
-                    "plan": {
-                        "tp": st.tp,
-                        "pp": st.pp,
-                        "dp": st.dp,
-                        "zero": st.zero,
-                        "micro_batch": st.micro_batch,
-                        "num_microbatches": st.micro_batches,
-                        "schedule": st.schedule,
-                        "virtual_stages": st.virtual_stages,
-                        "sequence_parallel": st.sequence_parallel,
-                        "dtype": st.dtype,
-                        "mesh": [list(a) for a in plan.mesh],
-                        "crosses_nodes": list(plan.crosses_nodes),
-                        "stages": [
-                            {
-                                "index": s.index,
-                                "layers": list(s.layers),
-                                "recompute": {b: r for b, r in s.recompute},
-                            }
-                            for s in plan.stages
-                        ],
-                        "hash": plan.hash,
-                    },
-                    "predicted": plan.predicted,
-                    "alternatives": alternatives,
-                    "baselines": baselines,
-                    "solve_time_s": result.solve_time_s,
-                    "optimality_gap": plan.optimality_gap,
-                    "ilps_solved": result.ilps_solved,
-                    "outer_candidates": result.outer_candidates,
-                },
-                indent=2,
-            )
-        )
-        return
-    _print_plan(console, plan, result, alternatives, baselines, cluster)
-    if args.out:
-        console.print(f"[dim]plan written to {args.out}[/dim]")
-
-
-def _candidate_dict(c: Any, best: float) -> dict[str, Any]:
-    st = c.strategy
-    return {
-        "tp": st.tp,
-        "pp": st.pp,
-        "dp": st.dp,
-        "zero": st.zero,
-        "micro_batch": st.micro_batch,
-        "schedule": st.schedule,
-        "virtual_stages": st.virtual_stages,
-        "sequence_parallel": st.sequence_parallel,
-        "layout": [list(x) for x in st.layout],
-        "recompute": st.recompute,
-        "step_time_s": c.estimate.step_time_s,
-        "tflops_per_gpu": c.estimate.tflops_per_gpu,
-        "fits": c.estimate.fits,
-        "slower_by": c.estimate.step_time_s / best,
-    }
-
-
-def _print_plan(
-    console: Console,
-    plan: Any,
-    result: Any,
-    alternatives: list[dict[str, Any]],
-    baselines: dict[str, Any],
-    cluster: Any,
-) -> None:
-    pred = plan.predicted
-    console.print(plan.text().splitlines()[0])
-    console.print(plan.text().splitlines()[1])
-    table = Table(title="stages", show_edge=False, title_justify="left")
-    cols = (
-        "stage",
-        "layers",
-        "recompute",
-        "time/micro-batch",
-        "of which TP comm",
-        "states",
-        "activations",
-        "other",
-        "peak",
-    )
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("layers", "recompute") else "right")
-    capacity = format_bytes(pred["memory_capacity_bytes"])
-    for s, mem in zip(plan.stages, pred["memory"], strict=True):
-        counts = {c: sum(1 for _, r in s.recompute if r == c) for c in ("none", "selective", "full")}
-        states = mem["weights"] + mem["gradients"] + mem["optimizer"]
-        other = mem["loss"] + mem["comm_buffers"] + mem["reserve"]
-        table.add_row(
-            str(s.index),
-            f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})",
-            ", ".join(f"{n} {c}" for c, n in counts.items() if n) or "-",
-            f"{1e3 * s.time_per_micro_batch_s:.1f} ms",
-            f"{1e3 * s.comm_per_micro_batch_s:.1f} ms",
-            format_bytes(states),
-            format_bytes(mem["activations"]),
-            format_bytes(other),
-            f"{format_bytes(mem['peak_bytes'])} / {capacity}",
-        )
-    console.print(table)
-    console.print(
-        f"predicted: {pred['step_time_s']:.3f} s/step · {pred['tokens_per_s']:,.0f} tokens/s · "
-        f"{pred['tflops_per_gpu']:.1f} TFLOP/s per GPU (MFU {100 * pred['mfu']:.1f}%, "
-        f"HFU {100 * pred['hfu']:.1f}%)"
-    )
-    console.print(
-        f"solved in {result.solve_time_s:.2f} s: {result.ilps_solved} layout ILPs over "
-        f"{result.outer_candidates} outer choices; proven gap {100 * plan.optimality_gap:.2f}%"
-    )
-    why = Table(
-        title="why this plan: runners-up and baselines (same cost model)",
-        show_edge=False,
-        title_justify="left",
-    )
-    for col in ("", "tp", "pp", "dp", "zero", "micro-batch", "schedule", "step s", "vs chosen"):
-        why.add_column(col, justify="left" if col in ("", "schedule") else "right")
-
-    def row(label: str, c: dict[str, Any] | None) -> None:
-        if c is None:
-            why.add_row(label, *["-"] * 6, "does not fit", "")
-            return
-        sched = c["schedule"] + (f" v={c['virtual_stages']}" if c["virtual_stages"] > 1 else "")
-        why.add_row(
-            label,
-            str(c["tp"]),
-            str(c["pp"]),
-            str(c["dp"]),
-            str(c["zero"]),
-            str(c["micro_batch"]),
-            sched,
-            f"{c['step_time_s']:.3f}",
-            f"{c['slower_by']:.2f}× slower",
-        )
-
-    for i, c in enumerate(alternatives, 1):
-        row(f"runner-up {i}", c)
-    for name, c in baselines.items():
-        row(name, c)
-    console.print(why)
-
-
-def cmd_verify(args: argparse.Namespace, console: Console) -> None:
-    from autopar.cluster import Cluster
-    from autopar.costing import profile_fn
-    from autopar.plan import Plan
-    from autopar.planner import Constraints, make_plan
-    from autopar.verify import verify_plan
-
-    if args.plan:
-        try:
-            with open(args.plan) as f:
-                plan = Plan.from_json(f.read())
-        except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError, AutoparError) as e:
-            raise AutoparError(f"can't read plan {args.plan!r}: {e}") from None
-    else:
-        cluster = Cluster.load(args.cluster, gpus_per_node=args.nproc)
-        allowed = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
-        constraints = Constraints(
-            tp=1, pp=1, dp=args.dp, zero=args.zero, micro_batch=args.micro_batch, recompute=allowed
-        )
-        plan = make_plan(
-            args.model,
-            profile_fn(args.model, dtype=args.dtype, seq=args.seq),
-            cluster,
-            global_batch=args.global_batch,
-            seq=args.seq,
-            dtype=args.dtype,
-            constraints=constraints,
-        ).plan
-    _progress(args, f"running {plan.strategy.world_size} processes and the single-process reference …")
-    vocab = profile_fn(args.model, dtype=args.dtype, seq=plan.strategy.seq)(1).vocab
-    if args.loss:
-        from autopar.verify import resolve_loss
-
-        resolve_loss(args.loss)  # a bad --loss is a user error here, not in every worker
-    report = verify_plan(
-        args.model, plan, nproc=args.nproc, steps=args.steps, vocab=vocab, loss_spec=args.loss
-    )
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "plan": plan.strategy.to_dict(),
-                    "losses": report.losses,
-                    "reference_losses": report.reference_losses,
-                    "max_loss_diff": report.max_loss_diff,
-                    "max_param_diff": report.max_param_diff,
-                    "loss_tolerance": report.loss_tolerance,
-                    "param_tolerance": report.param_tolerance,
-                    "passed": report.passed,
-                },
-                indent=2,
-            )
-        )
-    else:
-        console.print(plan.text())
-        for i, (a, b) in enumerate(zip(report.losses, report.reference_losses, strict=True)):
-            console.print(f"step {i}: loss {a:.6f}  reference {b:.6f}  diff {abs(a - b):.2e}")
-        console.print(
-            f"max parameter diff {report.max_param_diff:.2e} (tolerance {report.param_tolerance:.0e}), "
-            f"max loss diff {report.max_loss_diff:.2e} (tolerance {report.loss_tolerance:.0e}): "
-            f"{'PASS' if report.passed else 'FAIL'}"
-        )
-    if not report.passed:
-        raise SystemExit(1)
-
-
 def cmd_models(args: argparse.Namespace, console: Console) -> None:
     from autopar.zoo import ZOO, build
 
@@ -588,7 +321,7 @@ def cmd_models(args: argparse.Namespace, console: Console) -> None:
     for col in ("model", "family", "params", "seq", "shape from"):
         table.add_column(col, justify="right" if col in ("params", "seq") else "left")
     for r in rows:
-        table.add_row(r["name"], r["family"], _count(r["params"]), str(r["default_seq"]), r["source"])
+        table.add_row(r["name"], r["family"], count(r["params"]), str(r["default_seq"]), r["source"])
     console.print(table)
 
 
@@ -625,19 +358,6 @@ def cmd_clusters(args: argparse.Namespace, console: Console) -> None:
         )
     console.print(table)
     console.print("[dim]use with --nodes N; or write a YAML file (see README)[/dim]")
-
-
-def _progress(args: argparse.Namespace, message: str) -> None:
-    """A progress line on stderr, for people at a terminal (never in --json or piped runs)."""
-    if not args.json and sys.stderr.isatty():
-        Console(stderr=True).print(f"[dim]{message}[/dim]")
-
-
-def _count(n: float) -> str:
-    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {suffix}"
-    return f"{n:.0f}"
 
 
 COMMANDS: dict[str, Any] = {
