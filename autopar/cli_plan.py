@@ -161,13 +161,12 @@ def _print_plan(
         table.add_column(col, justify="left" if col in ("layers", "recompute") else "right")
     capacity = format_bytes(pred["memory_capacity_bytes"])
     for s, mem in zip(plan.stages, pred["memory"], strict=True):
-        counts = {c: sum(1 for _, r in s.recompute if r == c) for c in ("none", "selective", "full")}
         states = mem["weights"] + mem["gradients"] + mem["optimizer"]
         other = mem["loss"] + mem["comm_buffers"] + mem["reserve"]
         table.add_row(
             str(s.index),
             f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})",
-            ", ".join(f"{n} {c}" for c, n in counts.items() if n) or "-",
+            s.recompute_summary,
             f"{1e3 * s.time_per_micro_batch_s:.1f} ms",
             f"{1e3 * s.comm_per_micro_batch_s:.1f} ms",
             format_bytes(states),

@@ -34,6 +34,12 @@ class StagePlan:
     comm_per_micro_batch_s: float = 0.0
     """Of which tensor-parallel communication (exposed)."""
 
+    @property
+    def recompute_summary(self) -> str:
+        """E.g. ``"14 none, 5 full"`` (``"-"`` for a stage without blocks)."""
+        counts = {c: sum(1 for _, r in self.recompute if r == c) for c in ("none", "selective", "full")}
+        return ", ".join(f"{n} {c}" for c, n in counts.items() if n) or "-"
+
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -142,8 +148,7 @@ class Plan:
             + f"; sequence parallel {'on' if st.sequence_parallel else 'off'}; {st.dtype}",
         ]
         for s in self.stages:
-            counts = {c: sum(1 for _, r in s.recompute if r == c) for c in ("none", "selective", "full")}
-            rc = ", ".join(f"{n} {c}" for c, n in counts.items() if n)
+            rc = s.recompute_summary
             lines.append(
                 f"stage {s.index}: {s.layers[0]} … {s.layers[-1]} ({len(s.layers)} layers; recompute {rc})"
             )
