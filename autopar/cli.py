@@ -30,6 +30,28 @@ def _positive(text: str) -> int:
     return value
 
 
+def _add_constraint_flags(g: argparse._ArgumentGroup) -> None:
+    """The plan knobs `autopar plan` and `autopar verify` share (None: the planner chooses)."""
+    g.add_argument("--tp", type=_positive, default=None, help="fix the tensor-parallel degree")
+    g.add_argument("--pp", type=_positive, default=None, help="fix the pipeline-parallel degree")
+    g.add_argument("--dp", type=_positive, default=None, help="fix the data-parallel degree")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="fix the ZeRO stage")
+    g.add_argument("--micro-batch", type=_positive, default=None, help="fix the micro-batch size")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default=None)
+    g.add_argument("--virtual-stages", type=_positive, default=None, help="fix v (interleaved)")
+    g.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force sequence parallelism on or off",
+    )
+    g.add_argument(
+        "--recompute",
+        default="none,selective,full",
+        help="recompute choices allowed, comma-separated (default none,selective,full)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopar", description="Plan and run parallel training for a PyTorch model."
@@ -60,24 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     g = p.add_argument_group("constraints (default: free)")
-    g.add_argument("--tp", type=_positive, default=None, help="fix the tensor-parallel degree")
-    g.add_argument("--pp", type=_positive, default=None, help="fix the pipeline-parallel degree")
-    g.add_argument("--dp", type=_positive, default=None, help="fix the data-parallel degree")
-    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="fix the ZeRO stage")
-    g.add_argument("--micro-batch", type=_positive, default=None, help="fix the micro-batch size")
-    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default=None)
-    g.add_argument("--virtual-stages", type=_positive, default=None, help="fix v (interleaved)")
-    g.add_argument(
-        "--sequence-parallel",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="force sequence parallelism on or off",
-    )
-    g.add_argument(
-        "--recompute",
-        default="none,selective,full",
-        help="recompute choices allowed, comma-separated (default none,selective,full)",
-    )
+    _add_constraint_flags(g)
     g.add_argument("--memory-cap-gib", type=float, default=None, help="plan for at most this memory per GPU")
 
     p = sub.add_parser("estimate", help="predict step time, throughput and memory of one plan")
@@ -117,11 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive, default=3, help="training steps to compare (default 3)")
     p.add_argument("--global-batch", type=_positive, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=_positive, default=32, help="sequence length (default 32)")
-    p.add_argument("--dp", type=_positive, default=None)
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None)
-    p.add_argument("--micro-batch", type=_positive, default=None)
-    p.add_argument("--recompute", default="none,selective,full", help="recompute choices allowed")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32")
+    _add_constraint_flags(p.add_argument_group("plan options when no --plan is given (default: planned)"))
     p.add_argument(
         "--loss",
         default=None,

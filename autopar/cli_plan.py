@@ -15,21 +15,17 @@ from autopar.errors import AutoparError
 from autopar.units import format_bytes
 
 
-def cmd_plan(args: argparse.Namespace, console: Console) -> None:
-    from autopar.cluster import Cluster
+def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Any:
+    """The planner's Constraints from the shared plan flags (see cli._add_constraint_flags)."""
     from autopar.cost_models.strategy import RECOMPUTE
-    from autopar.costing import profile_fn
-    from autopar.models import resolve
-    from autopar.planner import Constraints, make_plan
+    from autopar.planner import Constraints
 
-    cluster = Cluster.load(args.cluster, nodes=args.nodes)
-    seq = args.seq or resolve(args.model, dtype=args.dtype).default_seq
     allowed = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
     if not allowed or any(x not in RECOMPUTE for x in allowed):
         raise AutoparError(
             f"--recompute takes a comma-separated subset of {', '.join(RECOMPUTE)}, got {args.recompute!r}"
         )
-    constraints = Constraints(
+    return Constraints(
         tp=args.tp,
         pp=args.pp,
         dp=args.dp,
@@ -39,7 +35,20 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
         virtual_stages=args.virtual_stages,
         sequence_parallel=args.sequence_parallel,
         recompute=allowed,
-        memory_cap_bytes=args.memory_cap_gib * 2**30 if args.memory_cap_gib else None,
+        **extra,
+    )
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> None:
+    from autopar.cluster import Cluster
+    from autopar.costing import profile_fn
+    from autopar.models import resolve
+    from autopar.planner import make_plan
+
+    cluster = Cluster.load(args.cluster, nodes=args.nodes)
+    seq = args.seq or resolve(args.model, dtype=args.dtype).default_seq
+    constraints = constraints_from_args(
+        args, memory_cap_bytes=args.memory_cap_gib * 2**30 if args.memory_cap_gib else None
     )
     progress(args, f"capturing {args.model} at seq {seq} …")
     profile_at = profile_fn(args.model, dtype=args.dtype, seq=seq)
@@ -220,7 +229,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
     from autopar.cluster import Cluster
     from autopar.costing import profile_fn
     from autopar.plan import Plan
-    from autopar.planner import Constraints, make_plan
+    from autopar.planner import make_plan
     from autopar.verify import verify_plan
 
     if args.plan:
@@ -231,10 +240,10 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
             raise AutoparError(f"can't read plan {args.plan!r}: {e}") from None
     else:
         cluster = Cluster.load(args.cluster, gpus_per_node=args.nproc)
-        allowed = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
-        constraints = Constraints(
-            tp=1, pp=1, dp=args.dp, zero=args.zero, micro_batch=args.micro_batch, recompute=allowed
-        )
+        # the runtime executes data-parallel plans until the tensor/pipeline passes land
+        args.tp = 1 if args.tp is None else args.tp
+        args.pp = 1 if args.pp is None else args.pp
+        constraints = constraints_from_args(args)
         plan = make_plan(
             args.model,
             profile_fn(args.model, dtype=args.dtype, seq=args.seq),

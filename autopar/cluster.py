@@ -363,7 +363,7 @@ def _cpu(gpus_per_node: int | None) -> Cluster:
     """This 2-core, 24 GiB machine, one gloo rank per core by default.
 
     Measured here (torch 2.13 CPU, one thread): fp32 1024³ matmul 54 GFLOP/s,
-    bf16 0.86 GFLOP/s (no bf16 matmul units), tensor copy 14 GB/s (read +
+    bf16 0.86 GFLOP/s (no bf16 matmul units), fp16 1.3 GFLOP/s (512³), tensor copy 14 GB/s (read +
     write). Memory: 20 GiB of the 24 GiB shared by the ranks. The loopback
     gloo link (2 GB/s, 50 µs) is an assumption until `autopar profile-comm`
     measures it.
@@ -376,7 +376,7 @@ def _cpu(gpus_per_node: int | None) -> Cluster:
         device=DeviceSpec(
             name="cpu-rank",
             memory_bytes=(20 * 2**30) // ranks,
-            peak_flops={"fp32": 54e9, "bf16": 0.86e9},
+            peak_flops={"fp32": 54e9, "bf16": 0.86e9, "fp16": 1.3e9},
             hbm_bandwidth_bytes_per_s=14e9,
             matmul_efficiency=1.0,
         ),

@@ -5,10 +5,15 @@ ZeRO 0 (DDP), ZeRO 1 (``ZeroRedundancyOptimizer`` over DDP), ZeRO 2 and 3
 (FSDP2 ``fully_shard`` per block and at the root, ``reshard_after_forward``
 False and True), per-block activation recomputation (non-reentrant
 ``checkpoint_wrapper``; selective wraps the block's attention submodule),
-bf16 mixed precision (FSDP2 ``MixedPrecisionPolicy`` with fp32 reduction, or
-autocast under DDP) and gradient accumulation over the plan's micro-batches
-(no gradient sync until the last one). Tensor- and pipeline-parallel plans
-arrive with their passes.
+bf16 or fp16 mixed precision (FSDP2 ``MixedPrecisionPolicy`` with fp32
+reduction, or autocast under DDP; fp16 adds dynamic loss scaling with
+``GradScaler``, ``ShardedGradScaler`` where parameters are sharded) and
+gradient accumulation over the plan's micro-batches (no gradient sync until
+the last one). Tensor- and pipeline-parallel plans arrive with their passes.
+
+Checkpoints go through ``torch.distributed.checkpoint``. ZeRO-1's optimizer
+state is keyed by parameter name and saved by the rank that owns it, so a
+checkpoint loads under any other world size or ZeRO stage of the same model.
 """
 
 from __future__ import annotations
@@ -102,6 +107,9 @@ class ParallelModel:
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     """loss(model output, batch) → scalar."""
     autocast_dtype: torch.dtype | None = None
+    """Autocast dtype under DDP (FSDP2 casts parameters itself)."""
+    scaler: Any = None
+    """fp16 only: the dynamic loss scaler (``GradScaler`` or ``ShardedGradScaler``)."""
 
     @property
     def micro_batches(self) -> int:
@@ -145,9 +153,16 @@ class ParallelModel:
                 loss = self.loss_fn(self.module(micro), micro)
                 if loss.dim() != 0:
                     raise AutoparError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
-                (loss / self.micro_batches).backward()
+                scaled = loss / self.micro_batches
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                scaled.backward()
             total += loss.detach().float()
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skipped when a gradient overflowed; then the scale halves
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         mean = total / self.micro_batches
         dist.all_reduce(mean)  # SUM: gloo has no AVG
@@ -163,23 +178,34 @@ class ParallelModel:
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state for ``torch.distributed.checkpoint`` (sharded as trained)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        state: dict[str, Any]
         if self.plan.strategy.zero == 1:
-            raise AutoparError(
-                "checkpointing ZeRO-1 plans is not supported yet (ZeroRedundancyOptimizer has no "
-                "sharded state dict); plan with --zero 0, 2 or 3"
-            )
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
+            state = {"model": get_model_state_dict(self.module), "optimizer": _zero1_state(self)}
+        else:
+            model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of ``state_dict`` (after ``torch.distributed.checkpoint.load`` into it)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        set_state_dict(
-            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
+        if self.plan.strategy.zero == 1:
+            set_model_state_dict(self.module, state["model"])
+            _load_zero1_state(self, state["optimizer"])
+        else:
+            set_state_dict(
+                self.module,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+            )
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded parameters under the original names (collective: call on every rank)."""
@@ -187,6 +213,57 @@ class ParallelModel:
 
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _zero1_params(pm: ParallelModel) -> dict[str, nn.Parameter]:
+    inner = pm.module.module if hasattr(pm.module, "module") else pm.module  # DDP's wrapped model
+    assert isinstance(inner, nn.Module)
+    return dict(inner.named_parameters())
+
+
+def _zero1_state(pm: ParallelModel) -> dict[str, Any]:
+    """ZeRO-1 optimizer state as {"state": {param name: {key: tensor}}, "param_groups": [...]}.
+
+    Each rank lists only the parameters whose state it owns; DCP merges the ranks' keys, so the
+    checkpoint holds every parameter's state once, under the parameter's name."""
+    local = pm.optimizer.optim  # type: ignore[attr-defined]  # ZeroRedundancyOptimizer's shard
+    if not local.state:
+        _create_optimizer_state(local)  # a fresh model: give DCP the tensors to load into
+    names = {p: n for n, p in _zero1_params(pm).items()}
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
+        for g in pm.optimizer.param_groups
+    ]  # the layout get_state_dict gives the other ZeRO stages
+    return {"state": {names[p]: dict(s) for p, s in local.state.items()}, "param_groups": groups}
+
+
+@torch.no_grad()
+def _create_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create an optimizer's per-parameter state without changing any parameter: one step on
+    zero gradients with the learning rate set to 0 (what get_state_dict does for the other stages)."""
+    saved_lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    for g, lr in zip(opt.param_groups, saved_lrs, strict=True):
+        g["lr"] = lr
+        for p in g["params"]:
+            p.grad = None
+
+
+def _load_zero1_state(pm: ParallelModel, optim: dict[str, Any]) -> None:
+    local = pm.optimizer.optim  # type: ignore[attr-defined]
+    params = _zero1_params(pm)
+    mine = {p for g in local.param_groups for p in g["params"]}
+    for name, entry in optim["state"].items():
+        if params[name] in mine:
+            local.state[params[name]] = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()
+            }
+    for group, saved in zip(pm.optimizer.param_groups, optim["param_groups"], strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
 
 
 @contextlib.contextmanager
@@ -237,6 +314,15 @@ def plan_for_world(
     return Plan.from_json(text)
 
 
+def check_runnable(plan: Plan) -> None:
+    """Raise a clear error for a plan this runtime cannot execute (before any process starts)."""
+    st = plan.strategy
+    if st.tp != 1 or st.pp != 1:
+        raise AutoparError(
+            f"this runtime executes data-parallel plans (tp = pp = 1); the plan has tp {st.tp}, pp {st.pp}"
+        )
+
+
 def parallelize(
     model: nn.Module,
     plan: Plan | Cluster,
@@ -262,20 +348,13 @@ def parallelize(
         dtype = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
         plan = plan_for_world(model, plan, global_batch=global_batch, seq=seq, dtype=dtype)
     st = plan.strategy
-    if st.dtype == "fp16":
-        raise AutoparError(
-            "fp16 plans need dynamic loss scaling, which this runtime does not have yet; plan bf16"
-        )
     world = dist.get_world_size()
     if st.world_size != world:
         raise AutoparError(
             f"the plan is for {st.world_size} GPUs (tp·pp·dp = {st.tp}·{st.pp}·{st.dp}) but {world} "
             "processes were launched; re-plan for this world (autopar plan --nodes/--cluster)"
         )
-    if st.tp != 1 or st.pp != 1:
-        raise AutoparError(
-            f"this runtime executes data-parallel plans (tp = pp = 1); the plan has tp {st.tp}, pp {st.pp}"
-        )
+    check_runnable(plan)
     model_blocks = {n for n, _ in model.named_modules()}
     missing = [n for s in plan.stages for n, _ in s.recompute if n not in model_blocks]
     if missing:
@@ -286,14 +365,24 @@ def parallelize(
     kwargs = optimizer_kwargs if optimizer_kwargs is not None else {"lr": 1e-3}
     _apply_recompute(model, plan)
     autocast = None
+    # bf16/fp16 plans on fp32 weights: half-precision compute, fp32 master weights and reduction
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(st.dtype)
+    if next(model.parameters()).dtype != torch.float32:
+        half = None  # the weights are already in the compute dtype
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    scaler: Any = None
     if st.zero >= 2:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if st.dtype == "bf16" and next(model.parameters()).dtype == torch.float32
+            MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+            if half is not None
             else MixedPrecisionPolicy()
         )
+        if st.dtype == "fp16":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(device=device)  # overflow checks agree across shards
         reshard = st.zero == 3
         for block in _blocks(model, plan):
             fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
@@ -304,12 +393,15 @@ def parallelize(
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model)
-        if st.dtype == "bf16" and next(model.parameters()).dtype == torch.float32:
-            autocast = torch.bfloat16
+        autocast = half
+        if st.dtype == "fp16":
+            scaler = torch.amp.GradScaler(device)  # gradients are all-reduced: overflow is seen alike
         if st.zero == 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_cls, **kwargs)
         else:
             opt = optimizer_cls(model.parameters(), **kwargs)
-    return ParallelModel(module=wrapped, optimizer=opt, plan=plan, loss_fn=loss_fn, autocast_dtype=autocast)
+    return ParallelModel(
+        module=wrapped, optimizer=opt, plan=plan, loss_fn=loss_fn, autocast_dtype=autocast, scaler=scaler
+    )

@@ -41,7 +41,8 @@ def _plan(zero: int, micro_batch: int, recompute: str, dtype: str = "fp32") -> s
 
 
 CASES = [(0, 4, "none"), (1, 2, "full"), (2, 1, "none"), (3, 2, "full"), (0, 2, "selective")]
-BF16_CASES = [(0, 4, "none", "bf16"), (3, 2, "none", "bf16")]  # autocast under DDP; FSDP2 bf16 params
+# autocast under DDP, FSDP2 half-precision parameters; fp16 with dynamic loss scaling
+BF16_CASES = [(0, 4, "none", "bf16"), (3, 2, "none", "bf16"), (1, 2, "none", "fp16"), (2, 2, "full", "fp16")]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,7 @@ def test_dp_plan_matches_single_process(distributed_results, index: int) -> None
                 got["state"][name], ref, atol=1e-4, rtol=1e-4, msg=f"{CASES[index]} {name}"
             )
     assert set(got["state"]) >= {n for n, _ in make_model().named_parameters()}
-    if CASES[index][0] != 1:  # ZeRO-1 checkpoints are refused with a clear error
-        assert got["checkpoint_exact"], "DCP save → load into a fresh model → identical weights and next step"
+    assert got["checkpoint_exact"], "DCP save → load into a fresh model → identical weights and next step"
     worst = max((got["state"][k] - v).abs().max().item() for k, v in ref_state.items() if k in got["state"])
     gap = max(abs(a - b) for a, b in zip(got["losses"], ref_losses, strict=True))
     print(f"{CASES[index]}: max loss diff {gap:.1e}, max parameter diff {worst:.1e}")
@@ -81,9 +81,10 @@ def test_bf16_plan_tracks_fp32_training(distributed_results, index: int) -> None
     data, results = distributed_results
     ref_losses, _ = run_reference(make_model, data, STEPS)
     got = results[len(CASES) + index]
-    # bf16 compute with fp32 master weights and fp32 reduction: losses within bf16 rounding
+    # half-precision compute with fp32 master weights and fp32 reduction: losses within bf16 rounding
     assert got["losses"] == pytest.approx(ref_losses, abs=2e-3), BF16_CASES[index]
-    assert got["losses"] != pytest.approx(ref_losses, abs=1e-7)  # bf16 really ran
+    assert got["losses"] != pytest.approx(ref_losses, abs=1e-7)  # half precision really ran
+    assert got["checkpoint_exact"], "the checkpoint (with the loss scaler's state) round-trips exactly"
 
 
 def test_plan_for_another_world_is_a_clear_error(tmp_path) -> None:
@@ -154,6 +155,10 @@ def test_verify_cli_bad_plans_exit_2(capsys, tmp_path) -> None:
     good.write_text(_plan(0, 4, "none"))
     assert main(["verify", f"{path}:tiny", "--plan", str(good), "--nproc", "3"]) == 2
     assert "the plan is for 2 processes but --nproc is 3" in capsys.readouterr().err
+    assert main(["verify", f"{path}:tiny", "--tp", "2"]) == 2  # refused before any process starts
+    assert "this runtime executes data-parallel plans" in capsys.readouterr().err
+    assert main(["verify", f"{path}:tiny", "--recompute", "bogus"]) == 2
+    assert "--recompute takes a comma-separated subset" in capsys.readouterr().err
 
 
 @pytest.fixture
