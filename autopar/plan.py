@@ -63,6 +63,10 @@ class Plan:
     """Wall time of the search."""
     optimality_gap: float = 0.0
     """Largest relative MIP gap HiGHS proved on the chosen layout (0 = optimal)."""
+    tensor_parallel: tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...] = ()
+    """Per layer type, its sharded operators as (op key ``module:op#k``, strategy, output
+    placement), e.g. ("Block", (("attn.c_attn:linear#0", "column", "S2"), …)); every other
+    operator runs replicated. Empty when tp = 1."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; ``Plan.from_dict(p.to_dict()) == p``."""
@@ -86,6 +90,7 @@ class Plan:
             "predicted": self.predicted,
             "solve_time_s": self.solve_time_s,
             "optimality_gap": self.optimality_gap,
+            "tensor_parallel": [[ltype, [list(op) for op in ops]] for ltype, ops in self.tensor_parallel],
         }
 
     @classmethod
@@ -93,7 +98,7 @@ class Plan:
         """Inverse of ``to_dict``; a malformed plan is a one-line ``AutoparError``."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
-        missing = sorted(known - set(d) - {"solve_time_s", "optimality_gap"})
+        missing = sorted(known - set(d) - {"solve_time_s", "optimality_gap", "tensor_parallel"})
         if unknown or missing:
             what = (
                 f"unknown plan field {unknown[0]!r}" if unknown else f"plan field {missing[0]!r} is missing"
@@ -119,6 +124,10 @@ class Plan:
             predicted=d["predicted"],
             solve_time_s=d.get("solve_time_s", 0.0),
             optimality_gap=d.get("optimality_gap", 0.0),
+            tensor_parallel=tuple(
+                (str(ltype), tuple((str(k), str(n), str(o)) for k, n, o in ops))
+                for ltype, ops in d.get("tensor_parallel", [])
+            ),
         )
 
     def to_json(self) -> str:
@@ -152,7 +161,18 @@ class Plan:
             lines.append(
                 f"stage {s.index}: {s.layers[0]} … {s.layers[-1]} ({len(s.layers)} layers; recompute {rc})"
             )
+        for ltype, ops in self.tensor_parallel:
+            lines.append(f"tensor parallel {ltype}: " + (", ".join(_tp_summary(ops)) or "all replicated"))
         return "\n".join(lines)
+
+
+def _tp_summary(ops: tuple[tuple[str, str, str], ...]) -> list[str]:
+    """One entry per sharded module: ``attn.c_attn column``, ``attn heads`` …"""
+    seen: dict[str, str] = {}
+    for key, name, _ in ops:
+        if name in ("column", "row", "heads", "vocab"):
+            seen.setdefault(key.split(":")[0] or "(block)", name)
+    return [f"{m} {n}" for m, n in seen.items()]
 
 
 def validate_plan(plan: Plan, *, world_size: int, blocks: int, capacity_bytes: float) -> None:

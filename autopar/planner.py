@@ -408,7 +408,33 @@ def to_plan(
         predicted=est.to_dict(),
         solve_time_s=solve_time_s,
         optimality_gap=cand.gap,
+        tensor_parallel=tp_tables(profile, cluster, st.tp, st.dtype),
     )
+
+
+def tp_tables(
+    profile: ModelProfile, cluster: Cluster, tp: int, dtype: str
+) -> tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]:
+    """Per block type, the per-operator TP strategies the intra-layer ILP chooses (empty at tp 1)."""
+    from autopar.tp_choice import choose_layer, plan_table
+
+    cap = profile.captured
+    if tp == 1 or cap is None:
+        return ()
+    tables = []
+    done: set[str] = set()
+    for layer in cap.layers[1:-1]:  # blocks; embedding and head stay replicated for now
+        if layer.type in done:
+            continue
+        done.add(layer.type)
+        if profile.heads and profile.heads % tp:
+            raise AutoparError(
+                f"tp {tp}: no way to split {layer.name}'s attention heads ({profile.heads} heads) "
+                f"{tp} ways; choose a tp that divides the head count"
+            )
+        choice = choose_layer(cap.gm, layer.index, tp, cluster, dtype=dtype)
+        tables.append((layer.type, plan_table(cap.gm, layer.index, layer.name, choice)))
+    return tuple(tables)
 
 
 def make_plan(

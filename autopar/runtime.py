@@ -115,6 +115,12 @@ class ParallelModel:
     def micro_batches(self) -> int:
         return self.plan.strategy.micro_batches
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: ranks in one TP group share data (TP innermost)."""
+        st = self.plan.strategy
+        return (dist.get_rank() // st.tp) % st.dp
+
     def _sync(self, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         from torch.distributed.fsdp import FSDPModule
         from torch.nn.parallel import DistributedDataParallel
@@ -171,8 +177,11 @@ class ParallelModel:
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> float:
         """Mean loss of this rank's batch over all ranks, without gradients or updates."""
+        parts = batch.split(self.plan.strategy.micro_batch)  # a captured graph runs one micro-batch
+        loss = torch.zeros((), dtype=torch.float32)
         with self._autocast():
-            loss = self.loss_fn(self.module(batch), batch).detach().float()
+            for micro in parts:
+                loss += self.loss_fn(self.module(micro), micro).detach().float() / len(parts)
         dist.all_reduce(loss)
         return float(loss) / dist.get_world_size()
 
@@ -188,12 +197,13 @@ class ParallelModel:
             state = {"model": model_sd, "optimizer": optim_sd}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
-        return state
+        return _map_dtensors(state, _unstride)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of ``state_dict`` (after ``torch.distributed.checkpoint.load`` into it)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        state = _map_dtensors(state, _restride, like=self.state_dict_placements())
         if self.plan.strategy.zero == 1:
             set_model_state_dict(self.module, state["model"])
             _load_zero1_state(self, state["optimizer"])
@@ -207,12 +217,61 @@ class ParallelModel:
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
 
+    def state_dict_placements(self) -> dict[str, Any]:
+        """Flattened key → the DTensor placements training uses (to undo ``_unstride`` on load)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        flat: dict[str, Any] = {}
+        _flatten({"model": model_sd, "optimizer": optim_sd}, "", flat)
+        return {k: v.placements for k, v in flat.items() if hasattr(v, "placements")}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsharded parameters under the original names (collective: call on every rank)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    else:
+        out[prefix] = tree
+
+
+def _map_dtensors(
+    tree: Any, fn: Callable[..., Any], like: dict[str, Any] | None = None, prefix: str = ""
+) -> Any:
+    """Apply ``fn`` to every DTensor leaf of a nested state dict (``like``: placements by flat key)."""
+    if isinstance(tree, dict):
+        return {k: _map_dtensors(v, fn, like, f"{prefix}.{k}" if prefix else str(k)) for k, v in tree.items()}
+    if hasattr(tree, "placements"):
+        return fn(tree) if like is None else fn(tree, like.get(prefix))
+    return tree
+
+
+def _unstride(t: Any) -> Any:
+    """DCP can't save ``_StridedShard`` (fused QKV shards): save it as a plain ``Shard(0)`` of the
+    same global tensor."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if any(isinstance(p, _StridedShard) for p in t.placements):
+        plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]
+        return distribute_tensor(t.full_tensor(), t.device_mesh, plain)
+    return t
+
+
+def _restride(t: Any, placements: Any) -> Any:
+    """Inverse of ``_unstride`` after loading: back to the placements training uses."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if placements is None or tuple(t.placements) == tuple(placements):
+        return t
+    return distribute_tensor(t.full_tensor(), t.device_mesh, list(placements))
 
 
 def _zero1_params(pm: ParallelModel) -> dict[str, nn.Parameter]:
@@ -317,9 +376,17 @@ def plan_for_world(
 def check_runnable(plan: Plan) -> None:
     """Raise a clear error for a plan this runtime cannot execute (before any process starts)."""
     st = plan.strategy
-    if st.tp != 1 or st.pp != 1:
+    if st.pp != 1:
         raise AutoparError(
-            f"this runtime executes data-parallel plans (tp = pp = 1); the plan has tp {st.tp}, pp {st.pp}"
+            f"this runtime executes plans with pp = 1 (pipelines come next); the plan has pp {st.pp}"
+        )
+    if st.tp > 1 and st.sequence_parallel:
+        raise AutoparError(
+            "tensor-parallel plans run without sequence parallelism for now; plan with --no-sequence-parallel"
+        )
+    if st.tp > 1 and any(r != "none" for s in plan.stages for _, r in s.recompute):
+        raise AutoparError(
+            "tensor-parallel plans run without activation recomputation for now; plan with --recompute none"
         )
 
 
@@ -363,6 +430,8 @@ def parallelize(
         )
     _agree_on_plan(plan)
     kwargs = optimizer_kwargs if optimizer_kwargs is not None else {"lr": 1e-3}
+    if st.tp > 1:
+        return _parallelize_tp(model, plan, loss_fn, optimizer_cls, kwargs)
     _apply_recompute(model, plan)
     autocast = None
     # bf16/fp16 plans on fp32 weights: half-precision compute, fp32 master weights and reduction
@@ -404,4 +473,65 @@ def parallelize(
             opt = optimizer_cls(model.parameters(), **kwargs)
     return ParallelModel(
         module=wrapped, optimizer=opt, plan=plan, loss_fn=loss_fn, autocast_dtype=autocast, scaler=scaler
+    )
+
+
+def _dp_placement(param: nn.Parameter) -> Any:
+    """FSDP2's dim for a parameter: dim 1 under a fused column shard (``_StridedShard`` on dim 0,
+    which a second shard of dim 0 would scramble), else FSDP2's default (dim 0)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = any(isinstance(p, _StridedShard) for p in getattr(param, "placements", ()))
+    return Shard(1) if strided and param.dim() > 1 else None
+
+
+def _parallelize_tp(
+    model: nn.Module,
+    plan: Plan,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    optimizer_cls: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+) -> ParallelModel:
+    """tp > 1: the tensor-parallel pass on the (dp, tp) mesh, TP innermost (inside a node).
+
+    The data-parallel axis of a 2-D plan always runs through FSDP2 (composable ``replicate``
+    and DDP do not compose with DTensor parameters): ZeRO 0–2 keep parameters unsharded
+    between forward and backward (``reshard_after_forward=False``), ZeRO 3 reshards them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime_tp import apply_tensor_parallel
+
+    st = plan.strategy
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device, (st.dp, st.tp), mesh_dim_names=("dp", "tp"))
+    gm = apply_tensor_parallel(model, plan, mesh["tp"])
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(st.dtype)
+    if next(model.parameters()).dtype != torch.float32:
+        half = None
+    autocast, scaler = None, None
+    if st.dp > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = (
+            MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+            if half
+            else MixedPrecisionPolicy()
+        )
+        fully_shard(
+            gm,
+            mesh=mesh["dp"],
+            reshard_after_forward=st.zero == 3,
+            mp_policy=mp,
+            shard_placement_fn=_dp_placement,
+        )
+    else:
+        autocast = half
+    if st.dtype == "fp16":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device=device)
+    opt = optimizer_cls(gm.parameters(), **kwargs)
+    return ParallelModel(
+        module=gm, optimizer=opt, plan=plan, loss_fn=loss_fn, autocast_dtype=autocast, scaler=scaler
     )

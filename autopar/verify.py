@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
@@ -34,13 +35,22 @@ def resolve_loss(spec: str | None) -> Callable[[Any, torch.Tensor], torch.Tensor
     return fn
 
 
+OPTIMIZERS: dict[str, Any] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+"""AdamW is what users train with; SGD moves parameters by lr × gradient, so a parameter
+difference is a gradient difference (Adam's normalised step magnifies tiny ones)."""
+
+
 def run_reference(
-    make_model: Callable[[], nn.Module], data: torch.Tensor, steps: int, loss_spec: str | None = None
+    make_model: Callable[[], nn.Module],
+    data: torch.Tensor,
+    steps: int,
+    loss_spec: str | None = None,
+    optimizer: str = "adamw",
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train on the full batch ``data`` (steps × global batch × seq) in this process."""
     loss_fn = resolve_loss(loss_spec)
     model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = OPTIMIZERS[optimizer](model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
         loss = loss_fn(model(data[step]), data[step])
@@ -49,6 +59,24 @@ def run_reference(
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the functional collectives (``_c10d_functional.*``) run under it, forward and backward
+    (CommDebugMode's module tracker does not follow GraphModules)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name in COLLECTIVES:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def dp_worker(
@@ -61,9 +89,11 @@ def dp_worker(
     steps: int,
     out: str,
     loss_spec: str | None = None,
+    optimizer: str = "adamw",
 ) -> None:
     """One rank: run each plan (JSON) for ``steps`` steps on this rank's rows; rank 0 saves results.
-    ``loss_spec`` names the loss (resolved here: user modules don't pickle)."""
+    ``loss_spec`` names the loss (resolved here: user modules don't pickle). The functional
+    collectives of the first step are counted (``collectives``: op name → count)."""
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
     )
@@ -72,16 +102,26 @@ def dp_worker(
     try:
         for text in plans:
             plan = Plan.from_json(text)
-            pm = parallelize(make_model(), plan, loss_fn=resolve_loss(loss_spec), optimizer_kwargs={"lr": LR})
-            local = plan.strategy.global_batch // world
-            losses = [pm.train_step(data[step, rank * local : (rank + 1) * local]) for step in range(steps)]
+            pm = parallelize(
+                make_model(),
+                plan,
+                loss_fn=resolve_loss(loss_spec),
+                optimizer_cls=OPTIMIZERS[optimizer],
+                optimizer_kwargs={"lr": LR},
+            )
+            local, at = plan.strategy.global_batch // plan.strategy.dp, pm.dp_rank
+            comm = CollectiveCounter()
+            with comm:
+                losses = [pm.train_step(data[0, at * local : (at + 1) * local])]
+            losses += [pm.train_step(data[step, at * local : (at + 1) * local]) for step in range(1, steps)]
             state = pm.full_state_dict()
             results.append(
                 {
                     "losses": losses,
+                    "collectives": dict(comm.counts),
                     "state": {k: v.detach().clone() for k, v in state.items()},
                     "checkpoint_exact": _checkpoint_round_trip(
-                        pm, make_model, plan, f"{out}.dcp{len(results)}"
+                        pm, make_model, plan, f"{out}.dcp{len(results)}", optimizer
                     ),
                 }
             )
@@ -91,13 +131,15 @@ def dp_worker(
         dist.destroy_process_group()
 
 
-def _checkpoint_round_trip(pm: Any, make_model: Callable[[], nn.Module], plan: Plan, path: str) -> bool:
+def _checkpoint_round_trip(
+    pm: Any, make_model: Callable[[], nn.Module], plan: Plan, path: str, optimizer: str
+) -> bool:
     """Save model + optimizer with torch.distributed.checkpoint, load into a freshly
     parallelized model, and check the parameters and the next step's loss come back exactly."""
     import torch.distributed.checkpoint as dcp
 
     dcp.save(pm.state_dict(), checkpoint_id=path)
-    fresh = parallelize(make_model(), plan, optimizer_kwargs={"lr": LR})
+    fresh = parallelize(make_model(), plan, optimizer_cls=OPTIMIZERS[optimizer], optimizer_kwargs={"lr": LR})
     state = fresh.state_dict()  # a fresh model's state dict holds the tensors DCP loads into
     dcp.load(state, checkpoint_id=path)
     fresh.load_state_dict(state)
@@ -106,7 +148,7 @@ def _checkpoint_round_trip(pm: Any, make_model: Callable[[], nn.Module], plan: P
     probe = torch.randint(
         0,
         16,
-        (plan.strategy.global_batch // dist.get_world_size(), plan.strategy.seq),
+        (plan.strategy.global_batch // plan.strategy.dp, plan.strategy.seq),
         generator=torch.Generator().manual_seed(7),
     )
     if not (same and pm.train_step(probe) == fresh.train_step(probe)):

@@ -84,6 +84,9 @@ class ModelProfile:
     """Name of each layer in order (``embed``, ``blocks.0``, …, ``head``)."""
     total_params: int
     """Unique parameters of the model."""
+    captured: CapturedModel | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The annotated graph this profile summarises (the planner chooses per-operator
+    tensor-parallel strategies on it); None for hand-built profiles."""
 
     @property
     def blocks(self) -> int:
@@ -134,6 +137,7 @@ class ModelProfile:
             layers=tuple(layer.type for layer in cap.layers),
             layer_names=tuple(layer.name for layer in cap.layers),
             total_params=cap.total_params,
+            captured=cap,
         )
 
 

@@ -1,0 +1,66 @@
+"""Tensor-parallel plans at run time: capture the model, resolve the plan's per-operator
+strategies on this graph, and apply the tensor-parallel pass on the TP mesh axis."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.errors import AutoparError
+from autopar.graph import capture
+from autopar.passes.tensor_parallel import tensor_parallel
+from autopar.passes.tp_rules import OpStrategy, propagate, strategies
+from autopar.plan import Plan
+from autopar.tp_choice import layer_nodes, op_keys
+
+
+def resolve_strategies(
+    gm: fx.GraphModule, layers: Sequence[Any], table: dict[str, dict[str, tuple[str, str]]], t: int
+) -> dict[str, OpStrategy]:
+    """Node name → strategy for every layer whose type the plan's table covers."""
+    chosen: dict[str, OpStrategy] = {}
+    for layer in layers:
+        ops = table.get(layer.type)
+        if ops is None:
+            continue
+        nodes = layer_nodes(gm, layer.index)
+        keys = op_keys(nodes, layer.name)
+        decided: dict[str, OpStrategy] = {}
+        for n in nodes:
+            want = ops.get(keys[n.name])
+            if want is None:
+                continue
+            match = [s for s in strategies(n, t) if (s.name, s.out) == want]
+            if not match:
+                raise AutoparError(
+                    f"the plan shards {layer.name} {keys[n.name]} as {want[0]} ({want[1]}), which this "
+                    f"model's operator does not allow at tp {t}: the plan was made for another model"
+                )
+            decided[n.name] = match[0]
+        chosen.update(propagate(nodes, decided, t))
+        missing = set(ops) - set(keys.values())
+        if missing:
+            raise AutoparError(
+                f"the plan names operators {sorted(missing)[:3]} that layer {layer.name} lacks: "
+                "it was made for another model"
+            )
+    return chosen
+
+
+def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> fx.GraphModule:
+    """Capture ``model`` at the plan's micro-batch shape and rewrite it for ``tp_mesh``.
+
+    The returned GraphModule runs on the model's own parameters, now DTensors on the TP axis
+    (the model object shares them, so its state_dict names are unchanged)."""
+    st = plan.strategy
+    captured = capture(model, batch=st.micro_batch, seq=st.seq)
+    table = {ltype: {key: (name, out) for key, name, out in ops} for ltype, ops in plan.tensor_parallel}
+    chosen = resolve_strategies(captured.gm, captured.layers, table, st.tp)
+    gm, _ = tensor_parallel(captured.gm, chosen, tp_mesh)
+    return gm
+
+
+__all__ = ["apply_tensor_parallel", "resolve_strategies"]

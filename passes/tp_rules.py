@@ -1,0 +1,351 @@
+"""Tensor-parallel sharding rules: how each operator kind may be split over the TP axis.
+
+A tensor on the TP axis is in one of three placements:
+
+- ``R``   replicated: every rank holds the whole tensor;
+- ``S(d)`` sharded on dim d: rank r holds the r-th of t equal slices;
+- ``Rf``  (an *input* requirement only) replicated, consumed by an operator whose
+  weights are sharded, so the gradient flowing back is a partial sum that must be
+  all-reduced — Megatron's ``f`` operator (Shoeybi et al. 2019, §3, Fig. 3).
+
+``RULES`` maps each ATen operator to a rule kind; ``strategies(node, t)`` lists, for
+one graph node, every (output placement → input placements) choice its rule allows,
+with the fraction of the compute each rank does and the collective the operator
+itself issues. Which ops are sharded and how is the planner's choice
+(``autopar.tp_choice``); the rewriting pass (``passes.tensor_parallel``) applies it.
+Unknown operators get the safe ``replicate`` rule: they still run, unsharded.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+R, RF = "R", "Rf"
+
+
+def S(dim: int) -> str:
+    """The placement 'sharded on dim ``dim``' (dims counted from 0)."""
+    return f"S{dim}"
+
+
+def shard_dim(placement: str) -> int | None:
+    return int(placement[1:]) if placement.startswith("S") else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpStrategy:
+    """One way to run one operator on the TP axis."""
+
+    name: str
+    """``replicate``, ``column``, ``row``, ``heads``, ``follow`` …: shown in plans."""
+    out: str
+    """Placement of the output (for tuple outputs: of every element)."""
+    inputs: tuple[str, ...]
+    """Required placement of each tensor argument, in the order of ``tensor_args``."""
+    compute_fraction: float
+    """Share of the operator's FLOPs and bytes each rank does: 1 or 1/t."""
+    reduce_output: bool = False
+    """The operator all-reduces its output itself (row-parallel linear, vocab-parallel embedding)."""
+    params: dict[str, str] = field(default_factory=dict)
+    """Placement of each parameter argument (``weight``/``bias``) when sharded."""
+
+
+RULE_KINDS = ("linear", "embedding", "attention", "follow", "batched_matmul", "reduce_last", "replicate")
+
+RULES: dict[Any, str] = {
+    aten.linear.default: "linear",
+    aten.embedding.default: "embedding",
+    aten.scaled_dot_product_attention.default: "attention",
+    aten.matmul.default: "batched_matmul",
+    aten.bmm.default: "batched_matmul",
+    aten.softmax.int: "reduce_last",
+    aten._softmax.default: "reduce_last",
+    aten.layer_norm.default: "reduce_last",
+    aten.rms_norm.default: "reduce_last",
+    aten.mean.dim: "reduce_last",
+    # elementwise and shape operators follow their input's sharding
+    **{
+        op: "follow"
+        for op in (
+            aten.view.default,
+            aten.reshape.default,
+            aten._unsafe_view.default,
+            aten.transpose.int,
+            aten.permute.default,
+            aten.contiguous.default,
+            aten.clone.default,
+            aten.split.Tensor,
+            aten.split_with_sizes.default,
+            aten.chunk.default,
+            aten.unsqueeze.default,
+            aten.expand.default,
+            aten.slice.Tensor,
+            aten.cat.default,
+            aten.neg.default,
+            aten.gelu.default,
+            aten.silu.default,
+            aten.relu.default,
+            aten.tanh.default,
+            aten.pow.Tensor_Scalar,
+            aten.rsqrt.default,
+            aten.dropout.default,
+            aten.add.Tensor,
+            aten.sub.Tensor,
+            aten.mul.Tensor,
+            aten.div.Tensor,
+            aten.to.dtype,
+            aten._to_copy.default,
+            aten.type_as.default,
+            operator.getitem,
+        )
+    },
+}
+"""ATen operator → rule kind. Anything missing runs replicated."""
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor inputs (graph nodes with a shape), in argument order, flattening lists."""
+    out: list[fx.Node] = []
+    for a in node.args:
+        for x in a if isinstance(a, (list, tuple)) else [a]:
+            if isinstance(x, fx.Node) and x.op != "get_attr" and _shape(x) is not None:
+                out.append(x)
+    return out
+
+
+def _shape(n: fx.Node) -> tuple[int, ...] | None:
+    s = n.meta.get("autopar.shape")
+    if isinstance(s, tuple) and all(isinstance(d, int) for d in s):
+        return s
+    val = n.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def out_shape(n: fx.Node) -> tuple[int, ...] | None:
+    """Shape of the node's (first) output."""
+    val = n.meta.get("val")
+    if isinstance(val, (list, tuple)) and val and isinstance(val[0], torch.Tensor):
+        return tuple(val[0].shape)
+    return _shape(n)
+
+
+def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
+    """Dims of ``src`` that land whole at the front of a dim group of ``dst`` under a reshape.
+
+    Both shapes are cut into groups with equal element counts; the first dim of a src group
+    maps to the first dim of the matching dst group (sharding the leading dim of a group
+    shards the leading dim of its reshaped form, e.g. (B,T,C) → (B,T,heads,head_dim) maps
+    C → heads). Size-1 dims are skipped."""
+    mapping: dict[int, int] = {}
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        gi, gj = [i], [j]
+        a, b = src[i], dst[j]
+        while a != b:
+            if a < b:
+                i += 1
+                if i >= len(src):
+                    return mapping
+                gi.append(i)
+                a *= src[i]
+            else:
+                j += 1
+                if j >= len(dst):
+                    return mapping
+                gj.append(j)
+                b *= dst[j]
+        first_i = next((k for k in gi if src[k] != 1), None)
+        first_j = next((k for k in gj if dst[k] != 1), None)
+        if first_i is not None and first_j is not None:
+            mapping[first_i] = first_j
+        i += 1
+        j += 1
+    return mapping
+
+
+def _in_dim_for(node: fx.Node, src: fx.Node, out_dim: int) -> int | None:
+    """The dim of input ``src`` that becomes output dim ``out_dim`` (None: no single dim does)."""
+    target = node.target
+    ins, outs = _shape(src), out_shape(node)
+    if ins is None or outs is None:
+        return None
+    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        inverse = {v: k for k, v in view_dim_map(ins, outs).items()}
+        return inverse.get(out_dim)
+    if target == aten.transpose.int:
+        d0, d1 = (int(x) % len(ins) for x in node.args[1:3])  # type: ignore[call-overload]
+        return d1 if out_dim == d0 else d0 if out_dim == d1 else out_dim
+    if target == aten.permute.default:
+        return int(node.args[1][out_dim])  # type: ignore[index]
+    if target == aten.unsqueeze.default:
+        d = int(node.args[1]) % len(outs)  # type: ignore[call-overload]
+        return None if out_dim == d else out_dim - (out_dim > d)
+    if target == aten.expand.default:
+        return None if ins[out_dim - (len(outs) - len(ins))] == 1 else out_dim - (len(outs) - len(ins))
+    # elementwise with broadcasting: align from the right
+    lead = len(outs) - len(ins)
+    k = out_dim - lead
+    if k < 0 or ins[k] == 1:
+        return -1  # broadcast along the sharded dim: this input stays replicated
+    return k
+
+
+def _cut_dim(node: fx.Node) -> int | None:
+    """The dim an operator slices or concatenates along (split, slice, cat); else None."""
+    if node.target in (
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.chunk.default,
+        aten.slice.Tensor,
+        aten.cat.default,
+    ):
+        if node.target == aten.cat.default or node.target == aten.slice.Tensor:
+            dim = node.args[1] if len(node.args) > 1 else 0
+        else:
+            dim = node.args[2] if len(node.args) > 2 else 0
+        shape = out_shape(node)
+        return int(dim) % len(shape) if shape is not None else None  # type: ignore[call-overload]
+    return None
+
+
+def _splits_fused_linear(node: fx.Node) -> bool:
+    """``linear → split`` along the output features (fused QKV): each chunk can be column-sharded
+    when the weight is sharded chunk-wise (``_StridedShard``), as Megatron lays out fused QKV."""
+    src = node.args[0]
+    return (
+        node.target in (aten.split.Tensor, aten.split_with_sizes.default)
+        and isinstance(src, fx.Node)
+        and src.target == aten.linear.default
+    )
+
+
+def fused_chunks(node: fx.Node) -> int:
+    """How many equal chunks a linear's output is split into along its features (1: not split)."""
+    for u in node.users:
+        if u.target == aten.split.Tensor and u.args[0] is node:
+            dim = int(u.args[2]) if len(u.args) > 2 else 0  # type: ignore[call-overload]
+            if dim in (-1, len(node.meta["val"].shape) - 1):
+                return int(node.meta["val"].shape[-1]) // int(u.args[1])  # type: ignore[call-overload]
+    return 1
+
+
+def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
+    """Every way ``node`` may run on a TP axis of size ``t`` (always includes ``replicate``)."""
+    ins = tensor_args(node)
+    shape = out_shape(node)
+    replicate = OpStrategy(name="replicate", out=R, inputs=tuple(R for _ in ins), compute_fraction=1.0)
+    kind = RULES.get(node.target, "replicate")
+    if shape is None or t == 1:
+        return [replicate]
+    sharded = [d for d, n in enumerate(shape) if n % t == 0 and n >= t]
+    found = [replicate]
+    if kind == "linear":
+        w = node.args[1]
+        wshape = _shape(w) if isinstance(w, fx.Node) else None
+        if wshape is None:
+            return found
+        if wshape[0] % t == 0:  # column: output features split, input replicated (grad all-reduced)
+            found.append(
+                OpStrategy(
+                    name="column",
+                    out=S(len(shape) - 1),
+                    inputs=(RF,),
+                    compute_fraction=1 / t,
+                    params={"weight": "S0", "bias": "S0"},
+                )
+            )
+        if wshape[1] % t == 0:  # row: input features split, partial outputs all-reduced
+            found.append(
+                OpStrategy(
+                    name="row",
+                    out=R,
+                    inputs=(S(len(shape) - 1),),
+                    compute_fraction=1 / t,
+                    reduce_output=True,
+                    params={"weight": "S1", "bias": "R"},
+                )
+            )
+        return found
+    if kind == "attention":  # (B, heads, T, head_dim): heads split; q, k and v all need it
+        if all(_shape(a) is not None and _shape(a)[1] % t == 0 for a in ins[:3]) and shape[1] % t == 0:  # type: ignore[index]
+            found.append(
+                OpStrategy(name="heads", out=S(1), inputs=(S(1),) * len(ins), compute_fraction=1 / t)
+            )
+        return found
+    if kind == "batched_matmul":  # batch dims split on both operands
+        for d in sharded:
+            if d < len(shape) - 2:
+                found.append(
+                    OpStrategy(name="follow", out=S(d), inputs=(S(d),) * len(ins), compute_fraction=1 / t)
+                )
+        return found
+    if kind in ("follow", "reduce_last"):
+        for d in sharded:
+            if kind == "reduce_last" and d == len(shape) - 1:
+                continue  # a reduction over the sharded dim would need the whole dim
+            if d == _cut_dim(node) and not _splits_fused_linear(node):
+                continue
+            need = []
+            for a in ins:
+                k = _in_dim_for(node, a, d)
+                if k is None:
+                    break
+                need.append(R if k == -1 else S(k))
+            else:
+                if all(p != R for p in need[:1]):  # the main input carries the sharding
+                    found.append(
+                        OpStrategy(name="follow", out=S(d), inputs=tuple(need), compute_fraction=1 / t)
+                    )
+        return found
+    return found
+
+
+DECIDING_KINDS = ("linear", "embedding", "attention")
+"""Rule kinds whose strategy is a decision (recorded in the plan); every other operator's
+placement follows from its inputs (``propagate``)."""
+
+
+def is_deciding(node: fx.Node) -> bool:
+    return RULES.get(node.target, "replicate") in DECIDING_KINDS
+
+
+def propagate(nodes: list[fx.Node], decided: dict[str, OpStrategy], t: int) -> dict[str, OpStrategy]:
+    """Complete ``decided`` (strategies of the deciding operators) to every node of ``nodes``:
+    a following operator takes the strategy whose input placements equal what its inputs
+    already are (no collective), else runs replicated (its inputs are gathered)."""
+    inside = {n.name for n in nodes}
+    out: dict[str, OpStrategy] = {}
+    for n in nodes:
+        if n.name in decided:
+            out[n.name] = decided[n.name]
+            continue
+        have = tuple(out[a.name].out if a.name in inside else R for a in tensor_args(n))
+        options = strategies(n, t)
+        match = [s for s in options if s.inputs == have]
+        out[n.name] = next((s for s in match if s.name != "replicate"), options[0] if not match else match[0])
+    return out
+
+
+__all__ = [
+    "DECIDING_KINDS",
+    "RF",
+    "RULES",
+    "RULE_KINDS",
+    "OpStrategy",
+    "R",
+    "S",
+    "fused_chunks",
+    "is_deciding",
+    "propagate",
+    "shard_dim",
+    "strategies",
+    "tensor_args",
+    "view_dim_map",
+]
