@@ -47,7 +47,7 @@ def _add_constraint_flags(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--recompute",
-        default="none,selective,full",
+        default="none,selective,full",  # cli_plan.RECOMPUTE_DEFAULT
         help="recompute choices allowed, comma-separated (default none,selective,full)",
     )
 

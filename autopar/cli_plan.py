@@ -14,6 +14,8 @@ from autopar.cli_common import progress
 from autopar.errors import AutoparError
 from autopar.units import format_bytes
 
+RECOMPUTE_DEFAULT = "none,selective,full"
+
 
 def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Any:
     """The planner's Constraints from the shared plan flags (see cli._add_constraint_flags)."""
@@ -105,6 +107,10 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
                             for s in plan.stages
                         ],
                         "hash": plan.hash,
+                        "tensor_parallel": {
+                            ltype: [{"op": k, "strategy": n, "output": o} for k, n, o in ops]
+                            for ltype, ops in plan.tensor_parallel
+                        },
                     },
                     "predicted": plan.predicted,
                     "alternatives": alternatives,
@@ -152,8 +158,12 @@ def _print_plan(
     cluster: Any,
 ) -> None:
     pred = plan.predicted
-    console.print(plan.text().splitlines()[0])
-    console.print(plan.text().splitlines()[1])
+    lines = plan.text().splitlines()
+    console.print(lines[0])
+    console.print(lines[1])
+    for line in lines:  # per-operator tensor-parallel strategies of each block type
+        if line.startswith("tensor parallel "):
+            console.print(line)
     table = Table(title="stages", show_edge=False, title_justify="left")
     cols = (
         "stage",
@@ -240,9 +250,14 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
             raise AutoparError(f"can't read plan {args.plan!r}: {e}") from None
     else:
         cluster = Cluster.load(args.cluster, gpus_per_node=args.nproc)
-        # the runtime executes data-parallel plans until the tensor/pipeline passes land
+        # what the runtime executes today: no pipelines yet; TP without sequence parallelism
+        # or recomputation
         args.tp = 1 if args.tp is None else args.tp
         args.pp = 1 if args.pp is None else args.pp
+        if args.sequence_parallel is None:
+            args.sequence_parallel = False
+        if args.tp > 1 and args.recompute == RECOMPUTE_DEFAULT:
+            args.recompute = "none"
         constraints = constraints_from_args(args)
         plan = make_plan(
             args.model,

@@ -203,7 +203,8 @@ class ParallelModel:
         """Inverse of ``state_dict`` (after ``torch.distributed.checkpoint.load`` into it)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        state = _map_dtensors(state, _restride, like=self.state_dict_placements())
+        if self.plan.strategy.tp > 1:  # fused-QKV shards were saved as plain shards
+            state = _map_dtensors(state, _restride, like=self.state_dict_placements())
         if self.plan.strategy.zero == 1:
             set_model_state_dict(self.module, state["model"])
             _load_zero1_state(self, state["optimizer"])
@@ -477,13 +478,15 @@ def parallelize(
 
 
 def _dp_placement(param: nn.Parameter) -> Any:
-    """FSDP2's dim for a parameter: dim 1 under a fused column shard (``_StridedShard`` on dim 0,
-    which a second shard of dim 0 would scramble), else FSDP2's default (dim 0)."""
+    """FSDP2's dim for a parameter: not the dim of a fused column shard (``_StridedShard``, which a
+    second shard of the same dim would scramble), else FSDP2's default (dim 0)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    strided = any(isinstance(p, _StridedShard) for p in getattr(param, "placements", ()))
-    return Shard(1) if strided and param.dim() > 1 else None
+    strided = [p.dim for p in getattr(param, "placements", ()) if isinstance(p, _StridedShard)]
+    if strided and param.dim() > 1:
+        return Shard(1 if strided[0] == 0 else 0)
+    return None
 
 
 def _parallelize_tp(

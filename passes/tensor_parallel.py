@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from autopar.passes.tp_rules import RF, OpStrategy, R, fused_chunks, shard_dim, tensor_args
+from autopar.passes.tp_rules import RF, OpStrategy, R, fused_chunks, linear_parts, shard_dim, tensor_args
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -147,8 +147,8 @@ def tp_slice(x: torch.Tensor, dim: int, group: str, rank: int, size: int) -> tor
 
 
 def _param_placement(spec: str, split_factor: int) -> Placement:
-    if spec == "S0" and split_factor > 1:
-        return _StridedShard(0, split_factor=split_factor)
+    if spec.startswith("S") and split_factor > 1:
+        return _StridedShard(int(spec[1:]), split_factor=split_factor)
     return Shard(int(spec[1:])) if spec.startswith("S") else Replicate()
 
 
@@ -170,6 +170,8 @@ def _set_param(root: nn.Module, fqn: str, mesh: DeviceMesh, placement: Placement
 
 def _divide(shape: Any, dim: int, t: int) -> list[Any]:
     out = list(shape)
+    if out[dim] == -1:
+        return out  # inferred from the (local) input
     assert isinstance(out[dim], int) and out[dim] % t == 0, (shape, dim, t)
     out[dim] //= t
     return out
@@ -216,8 +218,7 @@ def tensor_parallel(
                 node.replace_input_with(src, new)
         # 2. the parameters and shape constants
         if s.name in ("column", "row"):
-            w = node.args[1]
-            b = node.args[2] if len(node.args) > 2 else None
+            x, w, b, transposed = linear_parts(node)
             assert isinstance(w, fx.Node)
             factor = fused_chunks(node) if s.name == "column" else 1
             lw = local_param(w, node, s.params["weight"], factor)
@@ -231,9 +232,12 @@ def tensor_parallel(
             elif isinstance(b, fx.Node):
                 lb = local_param(b, node, s.params["bias"])
             if s.name == "column":
-                node.args = (node.args[0], lw, lb)
+                node.args = (lb, x, lw) if transposed else (x, lw, lb)
             else:  # row: partial sums → all-reduce → bias once
-                node.args = (node.args[0], lw, None)
+                if transposed:
+                    node.target, node.args = aten.mm.default, (x, lw)
+                else:
+                    node.args = (x, lw, None)
                 with graph.inserting_after(node):
                     red = graph.call_function(tp_reduce, (node, group))
                 out: fx.Node = red

@@ -61,6 +61,7 @@ RULE_KINDS = ("linear", "embedding", "attention", "follow", "batched_matmul", "r
 
 RULES: dict[Any, str] = {
     aten.linear.default: "linear",
+    aten.addmm.default: "linear",  # Conv1D (Hugging Face GPT-2): addmm(bias, x, W) with W (in, out)
     aten.embedding.default: "embedding",
     aten.scaled_dot_product_attention.default: "attention",
     aten.matmul.default: "batched_matmul",
@@ -215,6 +216,31 @@ def _cut_dim(node: fx.Node) -> int | None:
     return None
 
 
+LINEAR_ARGS = {aten.linear.default: (0, 1, 2, False), aten.addmm.default: (1, 2, 0, True)}
+"""Operator → (input index, weight index, bias index, weight stored (in, out))."""
+
+
+def linear_parts(node: fx.Node) -> tuple[Any, Any, Any, bool]:
+    """(input, weight, bias or None, weight is (in, out)) of a linear-kind node."""
+    xi, wi, bi, transposed = LINEAR_ARGS[node.target]
+    args = list(node.args) + [None] * 3
+    return args[xi], args[wi], args[bi], transposed
+
+
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _feature_source(node: fx.Node) -> fx.Node | None:
+    """Walk back from ``node`` through reshapes that keep the last dim to a linear-kind node."""
+    src = node
+    while isinstance(src, fx.Node) and src.target in _RESHAPES:
+        prev = src.args[0]
+        if not isinstance(prev, fx.Node) or (out_shape(prev) or (0,))[-1] != (out_shape(src) or (1,))[-1]:
+            return None
+        src = prev
+    return src if isinstance(src, fx.Node) and src.target in LINEAR_ARGS else None
+
+
 def _splits_fused_linear(node: fx.Node) -> bool:
     """``linear → split`` along the output features (fused QKV): each chunk can be column-sharded
     when the weight is sharded chunk-wise (``_StridedShard``), as Megatron lays out fused QKV."""
@@ -222,17 +248,24 @@ def _splits_fused_linear(node: fx.Node) -> bool:
     return (
         node.target in (aten.split.Tensor, aten.split_with_sizes.default)
         and isinstance(src, fx.Node)
-        and src.target == aten.linear.default
+        and _feature_source(src) is not None
     )
 
 
 def fused_chunks(node: fx.Node) -> int:
-    """How many equal chunks a linear's output is split into along its features (1: not split)."""
-    for u in node.users:
-        if u.target == aten.split.Tensor and u.args[0] is node:
-            dim = int(u.args[2]) if len(u.args) > 2 else 0  # type: ignore[call-overload]
-            if dim in (-1, len(node.meta["val"].shape) - 1):
-                return int(node.meta["val"].shape[-1]) // int(u.args[1])  # type: ignore[call-overload]
+    """How many equal chunks a linear's output is split into along its features (1: not split),
+    looking through reshapes that keep the feature dim (Conv1D's view back to (B, T, 3h))."""
+    frontier = [node]
+    while frontier:
+        cur = frontier.pop()
+        for u in cur.users:
+            if u.target == aten.split.Tensor and u.args[0] is cur:
+                dim = int(u.args[2]) if len(u.args) > 2 else 0  # type: ignore[call-overload]
+                width = (out_shape(cur) or (0,))[-1]
+                if dim in (-1, len(out_shape(cur) or ()) - 1):
+                    return width // int(u.args[1])  # type: ignore[call-overload]
+            elif u.target in _RESHAPES and _feature_source(u) is node:
+                frontier.append(u)
     return 1
 
 
@@ -247,21 +280,22 @@ def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
     sharded = [d for d, n in enumerate(shape) if n % t == 0 and n >= t]
     found = [replicate]
     if kind == "linear":
-        w = node.args[1]
+        _, w, _, transposed = linear_parts(node)
         wshape = _shape(w) if isinstance(w, fx.Node) else None
         if wshape is None:
             return found
-        if wshape[0] % t == 0:  # column: output features split, input replicated (grad all-reduced)
+        out_dim, in_dim = (1, 0) if transposed else (0, 1)  # weight dims of output / input features
+        if wshape[out_dim] % t == 0:  # column: output features split, input replicated (grad all-reduced)
             found.append(
                 OpStrategy(
                     name="column",
                     out=S(len(shape) - 1),
                     inputs=(RF,),
                     compute_fraction=1 / t,
-                    params={"weight": "S0", "bias": "S0"},
+                    params={"weight": S(out_dim), "bias": "S0"},
                 )
             )
-        if wshape[1] % t == 0:  # row: input features split, partial outputs all-reduced
+        if wshape[in_dim] % t == 0:  # row: input features split, partial outputs all-reduced
             found.append(
                 OpStrategy(
                     name="row",
@@ -269,14 +303,18 @@ def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
                     inputs=(S(len(shape) - 1),),
                     compute_fraction=1 / t,
                     reduce_output=True,
-                    params={"weight": "S1", "bias": "R"},
+                    params={"weight": S(in_dim), "bias": "R"},
                 )
             )
         return found
     if kind == "attention":  # (B, heads, T, head_dim): heads split; q, k and v all need it
         if all(_shape(a) is not None and _shape(a)[1] % t == 0 for a in ins[:3]) and shape[1] % t == 0:  # type: ignore[index]
+            # an attention mask broadcast over heads (size 1 there) stays replicated
+            mask = tuple(
+                R if (_shape(a) or (1, 1))[1] == 1 or len(_shape(a) or ()) < 4 else S(1) for a in ins[3:]
+            )
             found.append(
-                OpStrategy(name="heads", out=S(1), inputs=(S(1),) * len(ins), compute_fraction=1 / t)
+                OpStrategy(name="heads", out=S(1), inputs=(S(1),) * 3 + mask, compute_fraction=1 / t)
             )
         return found
     if kind == "batched_matmul":  # batch dims split on both operands
@@ -335,6 +373,7 @@ def propagate(nodes: list[fx.Node], decided: dict[str, OpStrategy], t: int) -> d
 
 __all__ = [
     "DECIDING_KINDS",
+    "LINEAR_ARGS",
     "RF",
     "RULES",
     "RULE_KINDS",
@@ -343,6 +382,7 @@ __all__ = [
     "S",
     "fused_chunks",
     "is_deciding",
+    "linear_parts",
     "propagate",
     "shard_dim",
     "strategies",

@@ -192,16 +192,16 @@ def _hidden_size(gm: fx.GraphModule) -> int | None:
 
 
 def _attention_heads(gm: fx.GraphModule, seq: int) -> int | None:
-    """Heads of the first attention: the query of an SDPA op (b, heads, s, d), or the first
-    explicit score tensor (b, heads, s, s)."""
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        shape: tuple[int, ...] = tuple(n.meta.get("autopar.shape", ()))
+    """Heads of the first attention: the query of an SDPA op (b, heads, s, d), or else the first
+    explicit score tensor (b, heads, s, s) (a mask broadcast over heads, (b, 1, s, s), is not one)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for n in nodes:
         if "scaled_dot_product" in str(n.target) and isinstance(n.args[0], fx.Node):
             q: tuple[int, ...] = tuple(n.args[0].meta.get("autopar.shape", ()))
             return q[1] if len(q) == 4 else None
-        if len(shape) == 4 and shape[-2:] == (seq, seq):
+    for n in nodes:
+        shape: tuple[int, ...] = tuple(n.meta.get("autopar.shape", ()))
+        if len(shape) == 4 and shape[-2:] == (seq, seq) and shape[1] > 1:
             return shape[1]
     return None
 

@@ -1,0 +1,176 @@
+"""Tensor-parallel plans on gloo processes equal single-process training: TP2, TP4, TP2×DP2
+(ZeRO-3), zoo GPT (fused QKV) and zoo Llama (GQA, RoPE, SwiGLU); collectives counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from autopar import Cluster
+from autopar.costing import profile_fn
+from autopar.plan import Plan
+from autopar.planner import Constraints, make_plan
+from autopar.tp_choice import choose_layer
+from autopar.verify import dp_worker, run_reference
+from autopar.zoo import GPT, GPTConfig
+from autopar.zoo.llama import Llama, LlamaConfig
+
+STEPS, BATCH, SEQ = 2, 8, 16
+GPT_CFG = GPTConfig(n_layer=4, n_embd=256, n_head=4, vocab_size=64, block_size=SEQ)
+LLAMA_CFG = LlamaConfig(
+    n_layer=2, dim=256, n_head=8, n_kv_head=4, ffn_dim=512, vocab_size=64, max_seq_len=SEQ
+)
+
+
+def make_gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPT_CFG)
+
+
+def make_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Llama(LLAMA_CFG)
+
+
+def _plan(make, *, tp: int, dp: int, zero: int = 0) -> Plan:
+    with torch.device("meta"):
+        meta = make()
+    cons = Constraints(
+        tp=tp, pp=1, dp=dp, zero=zero, micro_batch=2, recompute=("none",), sequence_parallel=False
+    )
+    return make_plan(
+        "tiny",
+        profile_fn(meta, dtype="fp32", seq=SEQ),
+        Cluster.preset("cpu", gpus_per_node=tp * dp),
+        global_batch=BATCH,
+        seq=SEQ,
+        dtype="fp32",
+        constraints=cons,
+    ).plan
+
+
+def _run(make, plans: list[Plan], world: int, tmp_path, optimizer: str = "sgd"):
+    torch.manual_seed(1)
+    data = torch.randint(0, 64, (STEPS, BATCH, SEQ))
+    out = tmp_path / f"tp{world}.pt"
+    args = (world, f"file://{tmp_path / 'init'}", make, [p.to_json() for p in plans], data, STEPS, str(out))
+    mp.spawn(dp_worker, args=(*args, None, optimizer), nprocs=world, join=True)
+    return data, torch.load(out)
+
+
+def _check(make, data, got, optimizer: str = "sgd") -> tuple[float, float]:
+    ref_losses, ref_state = run_reference(make, data, STEPS, optimizer=optimizer)
+    gap = max(abs(a - b) for a, b in zip(got["losses"], ref_losses, strict=True))
+    worst = max((got["state"][k] - v).abs().max().item() for k, v in ref_state.items())
+    assert gap <= 1e-5, (got["losses"], ref_losses)
+    # SGD: a parameter difference is lr (1e-2) × the gradient difference
+    assert worst <= 1e-6, worst
+    assert got["checkpoint_exact"]
+    return gap, worst
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    plans = [_plan(make_gpt, tp=2, dp=1)]
+    return plans, _run(make_gpt, plans, 2, tmp_path_factory.mktemp("tp2"))
+
+
+def test_megatron_plan_for_the_gpt(world2) -> None:
+    (plan,), _ = world2
+    ((_, ops),) = plan.tensor_parallel
+    decided = {k.split(":")[0]: n for k, n, _ in ops}
+    assert decided == {
+        "attn.c_attn": "column",
+        "attn": "heads",
+        "attn.c_proj": "row",
+        "mlp.c_fc": "column",
+        "mlp.c_proj": "row",
+    }
+
+
+def test_tp2_gpt_matches_single_process(world2) -> None:
+    _, (data, results) = world2
+    gap, worst = _check(make_gpt, data, results[0])
+    print(f"TP2 GPT: max loss diff {gap:.1e}, max parameter diff (SGD) {worst:.1e}")
+
+
+def test_collectives_counted_match_the_plan(world2) -> None:
+    (plan,), (_, results) = world2
+    with torch.device("meta"):
+        meta = make_gpt()
+    cap = profile_fn(meta, dtype="fp32", seq=SEQ)(2).captured
+    assert cap is not None
+    layer = choose_layer(cap.gm, 1, 2, Cluster.from_dict(plan.cluster), dtype="fp32")
+    per_block: dict[str, int] = {}
+    names = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor"}
+    for c in layer.collectives:
+        per_block[names[c.kind]] = per_block.get(names[c.kind], 0) + 1
+    blocks, micro = GPT_CFG.n_layer, plan.strategy.micro_batches
+    # one step, forward and backward of every micro-batch, counted under a dispatch mode
+    assert results[0]["collectives"] == {k: v * blocks * micro for k, v in per_block.items()}
+
+
+def test_tp4_and_tp2_by_dp2_zero3(tmp_path) -> None:
+    plans = [_plan(make_gpt, tp=4, dp=1), _plan(make_gpt, tp=2, dp=2, zero=3)]
+    assert all(p.tensor_parallel and p.tensor_parallel[0][1] for p in plans)  # really sharded
+    data, results = _run(make_gpt, plans, 4, tmp_path)
+    for plan, got in zip(plans, results, strict=True):
+        gap, worst = _check(make_gpt, data, got)
+        st = plan.strategy
+        print(f"TP{st.tp}×DP{st.dp} ZeRO-{st.zero}: max loss diff {gap:.1e}, parameter diff {worst:.1e}")
+
+
+def test_tp2_llama_gqa_rope(tmp_path) -> None:
+    plan = _plan(make_llama, tp=2, dp=1)
+    decided = {k.split(":")[0]: n for k, n, _ in plan.tensor_parallel[0][1]}
+    assert decided.get("attention.wk") == "column" and decided.get("feed_forward.w2") == "row", decided
+    data, results = _run(make_llama, [plan], 2, tmp_path)
+    gap, worst = _check(make_llama, data, results[0])
+    print(f"TP2 Llama (GQA 8/4 heads, RoPE): max loss diff {gap:.1e}, parameter diff {worst:.1e}")
+
+
+def make_hf_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=256,
+        n_head=4,
+        vocab_size=64,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def make_hf_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = HFLlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=64,
+        max_position_embeddings=SEQ,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("make", [make_hf_gpt2, make_hf_llama], ids=["hf-gpt2", "hf-llama"])
+def test_tp2_hugging_face_models_unmodified(make, tmp_path) -> None:
+    """GPT-2's Conv1D (addmm with (in, out) weights, fused QKV behind a view, heads as -1 in views)
+    and Llama's separate projections with GQA and RoPE, from transformers as published."""
+    plan = _plan(make, tp=2, dp=1)
+    decided = {k.split(":")[0]: n for k, n, _ in plan.tensor_parallel[0][1]}
+    assert "column" in decided.values() and "row" in decided.values() and "heads" in decided.values(), decided
+    data, results = _run(make, [plan], 2, tmp_path)
+    gap, worst = _check(make, data, results[0])
+    print(f"TP2 {make.__name__}: {decided}: max loss diff {gap:.1e}, parameter diff {worst:.1e}")
