@@ -250,12 +250,9 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
             raise AutoparError(f"can't read plan {args.plan!r}: {e}") from None
     else:
         cluster = Cluster.load(args.cluster, gpus_per_node=args.nproc)
-        # what the runtime executes today: no pipelines yet; TP without sequence parallelism
-        # or recomputation
+        # what the runtime executes today: no pipelines yet; TP without recomputation
         args.tp = 1 if args.tp is None else args.tp
         args.pp = 1 if args.pp is None else args.pp
-        if args.sequence_parallel is None:
-            args.sequence_parallel = False
         if args.tp > 1 and args.recompute == RECOMPUTE_DEFAULT:
             args.recompute = "none"
         constraints = constraints_from_args(args)

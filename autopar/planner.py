@@ -408,12 +408,12 @@ def to_plan(
         predicted=est.to_dict(),
         solve_time_s=solve_time_s,
         optimality_gap=cand.gap,
-        tensor_parallel=tp_tables(profile, cluster, st.tp, st.dtype),
+        tensor_parallel=tp_tables(profile, cluster, st.tp, st.dtype, sp=st.sequence_parallel),
     )
 
 
 def tp_tables(
-    profile: ModelProfile, cluster: Cluster, tp: int, dtype: str
+    profile: ModelProfile, cluster: Cluster, tp: int, dtype: str, *, sp: bool = False
 ) -> tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]:
     """Per block type, the per-operator TP strategies the intra-layer ILP chooses (empty at tp 1)."""
     from autopar.tp_choice import choose_layer, plan_table
@@ -432,7 +432,7 @@ def tp_tables(
                 f"tp {tp}: no way to split {layer.name}'s attention heads ({profile.heads} heads) "
                 f"{tp} ways; choose a tp that divides the head count"
             )
-        choice = choose_layer(cap.gm, layer.index, tp, cluster, dtype=dtype)
+        choice = choose_layer(cap.gm, layer.index, tp, cluster, dtype=dtype, sp=sp)
         tables.append((layer.type, plan_table(cap.gm, layer.index, layer.name, choice)))
     return tuple(tables)
 

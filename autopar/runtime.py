@@ -22,7 +22,7 @@ import contextlib
 import datetime
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -110,6 +110,11 @@ class ParallelModel:
     """Autocast dtype under DDP (FSDP2 casts parameters itself)."""
     scaler: Any = None
     """fp16 only: the dynamic loss scaler (``GradScaler`` or ``ShardedGradScaler``)."""
+    partial_grads: list[nn.Parameter] = field(default_factory=list)
+    """TP with sequence parallelism: replicated parameters whose gradients are partial over the TP
+    group (all-reduced once per step, in one bucket)."""
+    tp_group: Any = ""
+    """Name of this rank's TP process group."""
 
     @property
     def micro_batches(self) -> int:
@@ -164,6 +169,7 @@ class ParallelModel:
                     scaled = self.scaler.scale(scaled)
                 scaled.backward()
             total += loss.detach().float()
+        self._reduce_partial_grads()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skipped when a gradient overflowed; then the scale halves
             self.scaler.update()
@@ -173,6 +179,23 @@ class ParallelModel:
         mean = total / self.micro_batches
         dist.all_reduce(mean)  # SUM: gloo has no AVG
         return float(mean) / dist.get_world_size()
+
+    @torch.no_grad()
+    def _reduce_partial_grads(self) -> None:
+        """Sum the partial gradients of ``partial_grads`` over the TP group: one all-reduce."""
+        import torch.distributed._functional_collectives as funcol
+
+        grads = [p.grad for p in self.partial_grads if p.grad is not None]
+        if not grads:
+            return
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        flat = funcol.wait_tensor(
+            funcol.all_reduce(torch.cat([x.reshape(-1) for x in local]), "sum", self.tp_group)
+        )
+        offset = 0
+        for x in local:
+            x.copy_(flat[offset : offset + x.numel()].view_as(x))
+            offset += x.numel()
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> float:
@@ -381,10 +404,6 @@ def check_runnable(plan: Plan) -> None:
         raise AutoparError(
             f"this runtime executes plans with pp = 1 (pipelines come next); the plan has pp {st.pp}"
         )
-    if st.tp > 1 and st.sequence_parallel:
-        raise AutoparError(
-            "tensor-parallel plans run without sequence parallelism for now; plan with --no-sequence-parallel"
-        )
     if st.tp > 1 and any(r != "none" for s in plan.stages for _, r in s.recompute):
         raise AutoparError(
             "tensor-parallel plans run without activation recomputation for now; plan with --recompute none"
@@ -508,7 +527,7 @@ def _parallelize_tp(
     st = plan.strategy
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (st.dp, st.tp), mesh_dim_names=("dp", "tp"))
-    gm = apply_tensor_parallel(model, plan, mesh["tp"])
+    gm, partial = apply_tensor_parallel(model, plan, mesh["tp"])
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(st.dtype)
     if next(model.parameters()).dtype != torch.float32:
         half = None
@@ -536,5 +555,12 @@ def _parallelize_tp(
         scaler = ShardedGradScaler(device=device)
     opt = optimizer_cls(gm.parameters(), **kwargs)
     return ParallelModel(
-        module=gm, optimizer=opt, plan=plan, loss_fn=loss_fn, autocast_dtype=autocast, scaler=scaler
+        module=gm,
+        optimizer=opt,
+        plan=plan,
+        loss_fn=loss_fn,
+        autocast_dtype=autocast,
+        scaler=scaler,
+        partial_grads=[gm.get_parameter(name) for name in partial],  # after FSDP2 replaced them
+        tp_group=mesh["tp"].get_group().group_name,
     )

@@ -11,14 +11,19 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import AutoparError
 from autopar.graph import capture
-from autopar.passes.tensor_parallel import tensor_parallel
+from autopar.passes.tensor_parallel import PARTIAL_GRAD, tensor_parallel
 from autopar.passes.tp_rules import OpStrategy, propagate, strategies
 from autopar.plan import Plan
 from autopar.tp_choice import layer_nodes, op_keys
 
 
 def resolve_strategies(
-    gm: fx.GraphModule, layers: Sequence[Any], table: dict[str, dict[str, tuple[str, str]]], t: int
+    gm: fx.GraphModule,
+    layers: Sequence[Any],
+    table: dict[str, dict[str, tuple[str, str]]],
+    t: int,
+    *,
+    sp: bool = False,
 ) -> dict[str, OpStrategy]:
     """Node name → strategy for every layer whose type the plan's table covers."""
     chosen: dict[str, OpStrategy] = {}
@@ -40,7 +45,7 @@ def resolve_strategies(
                     f"model's operator does not allow at tp {t}: the plan was made for another model"
                 )
             decided[n.name] = match[0]
-        chosen.update(propagate(nodes, decided, t))
+        chosen.update(propagate(nodes, decided, t, sp=sp))
         missing = set(ops) - set(keys.values())
         if missing:
             raise AutoparError(
@@ -50,17 +55,20 @@ def resolve_strategies(
     return chosen
 
 
-def apply_tensor_parallel(model: nn.Module, plan: Plan, tp_mesh: DeviceMesh) -> fx.GraphModule:
+def apply_tensor_parallel(
+    model: nn.Module, plan: Plan, tp_mesh: DeviceMesh
+) -> tuple[fx.GraphModule, list[str]]:
     """Capture ``model`` at the plan's micro-batch shape and rewrite it for ``tp_mesh``.
 
     The returned GraphModule runs on the model's own parameters, now DTensors on the TP axis
-    (the model object shares them, so its state_dict names are unchanged)."""
+    (the model object shares them, so its state_dict names are unchanged). Also returns the
+    names of the parameters whose gradients are partial over the TP group (``PARTIAL_GRAD``)."""
     st = plan.strategy
     captured = capture(model, batch=st.micro_batch, seq=st.seq)
     table = {ltype: {key: (name, out) for key, name, out in ops} for ltype, ops in plan.tensor_parallel}
-    chosen = resolve_strategies(captured.gm, captured.layers, table, st.tp)
-    gm, _ = tensor_parallel(captured.gm, chosen, tp_mesh)
-    return gm
+    chosen = resolve_strategies(captured.gm, captured.layers, table, st.tp, sp=st.sequence_parallel)
+    gm, placements = tensor_parallel(captured.gm, chosen, tp_mesh)
+    return gm, sorted(k for k, v in placements.items() if v == PARTIAL_GRAD)
 
 
 __all__ = ["apply_tensor_parallel", "resolve_strategies"]

@@ -40,15 +40,19 @@ from autopar.cluster import Cluster
 from autopar.cost_models.comm import GroupLink, allgather_time_s, allreduce_time_s, group_link
 from autopar.errors import AutoparError
 from autopar.passes.tp_rules import (
+    LINEAR_ARGS,
     RF,
     OpStrategy,
     R,
+    boundary,
     fused_chunks,
     is_deciding,
+    linear_parts,
     out_shape,
     propagate,
     shard_dim,
     strategies,
+    stream_placement,
     tensor_args,
 )
 
@@ -99,22 +103,52 @@ def _prod(xs: tuple[int, ...]) -> int:
 
 
 def reshard(
-    src: str, dst: str, size_bytes: int, t: int, link: GroupLink
+    src: str, dst: str, size_bytes: int, t: int, link: GroupLink, *, grad: bool = True
 ) -> tuple[float, list[tuple[str, str]]]:
-    """Seconds and collectives (kind, phase) to turn placement ``src`` into ``dst`` (table above)."""
+    """Seconds and collectives (kind, phase) to turn placement ``src`` into ``dst`` (table above);
+    ``grad`` False: the tensor needs no gradient (rotary tables, masks), so no backward part."""
     if src == dst or (src == R and dst == R):
         return 0.0, []
-    ar = allreduce_time_s(size_bytes, t, link)
-    ag = allgather_time_s(size_bytes, t, link)
     if src == R and dst == RF:
-        return ar, [("all_reduce", "backward")]
-    if shard_dim(src) is not None and dst == R:
-        return ag, [("all_gather", "forward")]
-    if shard_dim(src) is not None and dst == RF:
-        return 2 * ag, [("all_gather", "forward"), ("reduce_scatter", "backward")]
-    if src == R and shard_dim(dst) is not None:
-        return ag, [("all_gather", "backward")]
-    return INFEASIBLE, []
+        steps = [("all_reduce", "backward")]
+    elif shard_dim(src) is not None and dst == R:
+        steps = [("all_gather", "forward")]
+    elif shard_dim(src) is not None and dst == RF:
+        steps = [("all_gather", "forward"), ("reduce_scatter", "backward")]
+    elif src == R and shard_dim(dst) is not None:
+        steps = [("all_gather", "backward")]
+    else:
+        return INFEASIBLE, []
+    steps = [st for st in steps if grad or st[1] == "forward"]
+    cost = {"all_reduce": allreduce_time_s(size_bytes, t, link), "all_gather": 0.0, "reduce_scatter": 0.0}
+    cost["all_gather"] = cost["reduce_scatter"] = allgather_time_s(size_bytes, t, link)
+    return sum(cost[k] for k, _ in steps), steps
+
+
+def model_boundary_collectives(sp: bool) -> list[tuple[str, str]]:
+    """Per micro-batch, outside the blocks: under sequence parallelism the embedding's output is
+    sliced over the sequence (its gradient all-gathered) and the last block's output is
+    all-gathered for the head."""
+    return [("all_gather", "backward"), ("all_gather", "forward")] if sp else []
+
+
+def step_collectives(sp: bool) -> list[tuple[str, str]]:
+    """Once per step: under sequence parallelism the partial gradients of the replicated
+    parameters applied to sequence shards (norms, row-parallel biases) are all-reduced over the
+    TP group in one bucket. Priced at nothing per micro-batch in the ILP (a few kB once a step)."""
+    return [("all_reduce", "step")] if sp else []
+
+
+def needs_grad(gm: fx.GraphModule) -> set[str]:
+    """Names of the nodes whose values need a gradient: those computed from a parameter."""
+    params = {name for name, _ in gm.named_parameters()}
+    found: set[str] = set()
+    for n in gm.graph.nodes:
+        if (n.op == "get_attr" and str(n.target) in params) or any(
+            a.name in found for a in n.all_input_nodes
+        ):
+            found.add(n.name)
+    return found
 
 
 def _compute_s(n: fx.Node, cluster: Cluster, dtype: str) -> float:
@@ -126,11 +160,15 @@ def _compute_s(n: fx.Node, cluster: Cluster, dtype: str) -> float:
 
 
 def layer_nodes(gm: fx.GraphModule, layer: int) -> list[fx.Node]:
-    """The operators of layer index ``layer`` that produce tensors, in graph order."""
+    """The operators of layer index ``layer`` that produce tensors, in graph order (metadata
+    asserts, which return nothing, are left out)."""
     return [
         n
         for n in gm.graph.nodes
-        if n.op == "call_function" and n.meta.get("autopar.layer") == layer and out_shape(n) is not None
+        if n.op == "call_function"
+        and n.meta.get("autopar.layer") == layer
+        and out_shape(n) is not None
+        and n.meta.get("val") is not None
     ]
 
 
@@ -150,12 +188,45 @@ def op_keys(nodes: list[fx.Node], prefix: str) -> dict[str, str]:
     return keys
 
 
+def own_collectives(n: fx.Node, s: OpStrategy) -> list[Collective]:
+    """Collectives an operator's strategy issues itself (not on its edges)."""
+    found = []
+    if s.reduce_output:  # row-parallel: all-reduce to R, or reduce-scatter over the sequence
+        kind = "all_reduce" if s.out == R else "reduce_scatter"
+        found.append(Collective(kind=kind, phase="forward", size_bytes=_bytes(n), at=n.name))
+        if s.out != R:  # the reduce-scatter's backward gathers the gradient back
+            found.append(Collective(kind="all_gather", phase="backward", size_bytes=_bytes(n), at=n.name))
+    if s.name in ("column", "row") and n.target in LINEAR_ARGS:
+        _, _, bias, _ = linear_parts(n)
+        if isinstance(bias, fx.Node) and s.name == "column" and fused_chunks(n) > 1:
+            # a fused bias stays replicated; its slices' gradients are all-gathered (tp_chunks)
+            found.append(Collective(kind="all_gather", phase="backward", size_bytes=_bytes(bias), at=n.name))
+    return found
+
+
+def _collective_s(c: Collective, t: int, link: GroupLink) -> float:
+    if c.kind == "all_reduce":
+        return allreduce_time_s(c.size_bytes, t, link)
+    return allgather_time_s(c.size_bytes, t, link)  # all-gather and reduce-scatter cost the same
+
+
 def choose_layer(
-    gm: fx.GraphModule, layer: int, t: int, cluster: Cluster, *, dtype: str, time_limit_s: float = 10.0
+    gm: fx.GraphModule,
+    layer: int,
+    t: int,
+    cluster: Cluster,
+    *,
+    dtype: str,
+    sp: bool = False,
+    time_limit_s: float = 10.0,
 ) -> LayerTP:
-    """Solve the ILP above for the operators of layer index ``layer`` at TP degree ``t``."""
+    """Solve the ILP above for the operators of layer index ``layer`` at TP degree ``t``
+    (``sp``: the residual stream enters and leaves split over the sequence)."""
     nodes = layer_nodes(gm, layer)
     inside = set(nodes)
+    grads = needs_grad(gm)
+    outside, outputs = boundary(nodes, sp)
+    stream = stream_placement(sp)
     link = group_link(cluster, size=t, stride=1)
     prob = pulp.LpProblem(f"tp_layer_{layer}", pulp.LpMinimize)
     options = {n: strategies(n, t) for n in nodes}
@@ -165,52 +236,43 @@ def choose_layer(
         for i in range(len(options[n]))
     }
     cost: list[pulp.LpAffineExpression] = []
-    f_var: dict[fx.Node, pulp.LpVariable] = {}
+    shared: dict[tuple[str, str, str], pulp.LpVariable] = {}
+
+    def convert_once(key: tuple[str, str, str], c: float, active: pulp.LpAffineExpression, name: str) -> None:
+        """One conversion per (tensor, from, to), shared by all its consumers, as the pass inserts
+        it: for Megatron's f the consumers' partial gradients add up before the one all-reduce."""
+        if key not in shared:
+            shared[key] = pulp.LpVariable(f"conv_{len(shared)}", lowBound=0)
+            cost.append(c * shared[key])
+        prob.addConstraint(shared[key] >= active, name)
+
     for n in nodes:
         prob += pulp.lpSum(x[n, i] for i in range(len(options[n]))) == 1, f"one_strategy_{n.name}"
         base = _compute_s(n, cluster, dtype)
         for i, s in enumerate(options[n]):
-            own = allreduce_time_s(_bytes(n), t, link) if s.reduce_output else 0.0
+            own = sum(_collective_s(c, t, link) for c in own_collectives(n, s))
             cost.append((base * s.compute_fraction + own) * x[n, i])
-            # layer outputs must leave replicated: the next layer expects the residual stream whole
-            if s.out != R and any(u not in inside for u in n.users if u.op != "output") | any(
-                u.op == "output" for u in n.users
-            ):
-                prob += x[n, i] == 0, f"output_replicated_{n.name}_{i}"
+            # layer outputs leave as the residual stream the next layer expects
+            if n.name in outputs and s.out != stream:
+                prob += x[n, i] == 0, f"output_stream_{n.name}_{i}"
     for v in nodes:
         for slot, u in enumerate(tensor_args(v)):
             size = _bytes(u)
             for b, sv in enumerate(options[v]):
                 need = sv.inputs[slot] if slot < len(sv.inputs) else R
-                if u not in inside:  # from outside the layer: replicated
-                    c, _ = reshard(R, need, size, t, link)
-                    if need == RF:
-                        if u not in f_var:
-                            f_var[u] = pulp.LpVariable(f"f_{u.name}", lowBound=0)
-                            cost.append(c * f_var[u])
-                        prob += f_var[u] >= x[v, b], f"f_{u.name}_{v.name}_{slot}_{b}"
-                        continue
+                pairs = (
+                    [(None, outside[u.name])]
+                    if u not in inside
+                    else [(a, su.out) for a, su in enumerate(options[u])]
+                )
+                for a, have in pairs:
+                    c, _ = reshard(have, need, size, t, link, grad=u.name in grads)
+                    active = x[v, b] if a is None else x[u, a] + x[v, b] - 1
+                    tag = f"{u.name}_{v.name}_{slot}_{a}_{b}"
                     if c == INFEASIBLE:
-                        prob += x[v, b] == 0, f"outside_{v.name}_{slot}_{b}"
-                    elif c:
-                        cost.append(c * x[v, b])
-                    continue
-                for a, su in enumerate(options[u]):
-                    c, _ = reshard(su.out, need, size, t, link)
-                    if su.out == R and need == RF:
-                        # Megatron f: the partial gradients of all column-parallel consumers
-                        # add up locally first; one all-reduce per producer, however many consumers
-                        if u not in f_var:
-                            f_var[u] = pulp.LpVariable(f"f_{u.name}", lowBound=0)
-                            cost.append(c * f_var[u])
-                        prob += f_var[u] >= x[u, a] + x[v, b] - 1, f"f_{u.name}_{v.name}_{slot}_{a}_{b}"
-                        continue
-                    if c == INFEASIBLE:
-                        prob += x[u, a] + x[v, b] <= 1, f"no_reshard_{u.name}_{v.name}_{slot}_{a}_{b}"
+                        prob += active <= 0, f"no_reshard_{tag}"
                     elif c > 0:
-                        y = pulp.LpVariable(f"y_{u.name}_{v.name}_{slot}_{a}_{b}", lowBound=0)
-                        prob += y >= x[u, a] + x[v, b] - 1, f"edge_{u.name}_{v.name}_{slot}_{a}_{b}"
-                        cost.append(c * y)
+                        convert_once((u.name, have, need), c, active, f"conv_{tag}")
     # seconds are ~1e-6: scale the objective so the solver's tolerances don't swallow it
     prob += 1e6 * pulp.lpSum(cost)
     prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
@@ -222,8 +284,9 @@ def choose_layer(
     }
     # what runs: the deciding operators as solved, the rest propagated (usually identical to the
     # solution; where not, the summary prices what will actually execute)
-    chosen = propagate(nodes, {k: v for k, v in solved.items() if is_deciding(_by_name(nodes, k))}, t)
-    return _summarise(gm, nodes, chosen, t, link, cluster, dtype)
+    decided = {k: v for k, v in solved.items() if is_deciding(_by_name(nodes, k))}
+    chosen = propagate(nodes, decided, t, sp=sp)
+    return _summarise(nodes, chosen, t, link, cluster, dtype, outside, grads)
 
 
 def _by_name(nodes: list[fx.Node], name: str) -> fx.Node:
@@ -231,43 +294,35 @@ def _by_name(nodes: list[fx.Node], name: str) -> fx.Node:
 
 
 def _summarise(
-    gm: fx.GraphModule,
     nodes: list[fx.Node],
     chosen: dict[str, OpStrategy],
     t: int,
     link: GroupLink,
     cluster: Cluster,
     dtype: str,
+    outside: dict[str, str],
+    grads: set[str],
 ) -> LayerTP:
     inside = {n.name for n in nodes}
     collectives: list[Collective] = []
     total = 0.0
     modules: dict[str, str] = {}
-    copied: set[str] = set()
+    copied: set[tuple[str, str]] = set()
     for n in nodes:
         s = chosen[n.name]
         total += _compute_s(n, cluster, dtype) * s.compute_fraction
-        if s.reduce_output:
-            collectives.append(
-                Collective(kind="all_reduce", phase="forward", size_bytes=_bytes(n), at=n.name)
-            )
-            total += allreduce_time_s(_bytes(n), t, link)
+        own = own_collectives(n, s)
+        collectives += own
+        total += sum(_collective_s(c, t, link) for c in own)
         if s.name in ("column", "row", "heads"):
             modules[str(n.meta.get("autopar.module", n.name))] = s.name
-        bias = n.args[2] if len(n.args) > 2 else None
-        if s.name == "column" and isinstance(bias, fx.Node) and fused_chunks(n) > 1:
-            # a fused bias stays replicated; its slices' gradients are all-gathered (tp_chunks)
-            size = _bytes(bias) if bias.meta.get("val") is not None else 0
-            collectives.append(Collective(kind="all_gather", phase="backward", size_bytes=size, at=n.name))
-            total += allgather_time_s(size, t, link)
         for slot, u in enumerate(tensor_args(n)):
             need = s.inputs[slot] if slot < len(s.inputs) else R
-            src = chosen[u.name].out if u.name in inside else R
-            if src == R and need == RF:
-                if u.name in copied:
-                    continue  # one f per producer: the consumers share it
-                copied.add(u.name)
-            c, kinds = reshard(src, need, _bytes(u), t, link)
+            src = chosen[u.name].out if u.name in inside else outside[u.name]
+            if (u.name, need) in copied:
+                continue  # one conversion per (tensor, placement): its consumers share it
+            copied.add((u.name, need))
+            c, kinds = reshard(src, need, _bytes(u), t, link, grad=u.name in grads)
             total += c
             collectives += [Collective(kind=k, phase=p, size_bytes=_bytes(u), at=n.name) for k, p in kinds]
     return LayerTP(strategies=chosen, modules=modules, collectives=tuple(collectives), time_s=total)
@@ -287,4 +342,15 @@ def plan_table(
     )
 
 
-__all__ = ["Collective", "LayerTP", "choose_layer", "layer_nodes", "op_keys", "plan_table", "reshard"]
+__all__ = [
+    "Collective",
+    "LayerTP",
+    "choose_layer",
+    "layer_nodes",
+    "model_boundary_collectives",
+    "needs_grad",
+    "op_keys",
+    "plan_table",
+    "reshard",
+    "step_collectives",
+]

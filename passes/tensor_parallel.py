@@ -123,6 +123,23 @@ def tp_chunks(x: torch.Tensor, k: int, group: str, rank: int, size: int) -> torc
     return _Chunks.apply(x, k, group, rank, size)  # type: ignore[no-any-return]
 
 
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+        ctx.args = dim, group
+        return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", scatter_dim=dim, group=group))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        dim, group = ctx.args
+        return _wait(funcol.all_gather_tensor(g.contiguous(), gather_dim=dim, group=group)), None, None
+
+
+def tp_reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """Sequence-parallel g: reduce-scatter partial sums along ``dim`` forward, all-gather backward."""
+    return _ReduceScatter.apply(x, dim, group)  # type: ignore[no-any-return]
+
+
 def tp_copy(x: torch.Tensor, group: str) -> torch.Tensor:
     """Megatron f: identity forward, all-reduce of the gradient."""
     return _Copy.apply(x, group)  # type: ignore[no-any-return]
@@ -177,10 +194,18 @@ def _divide(shape: Any, dim: int, t: int) -> list[Any]:
     return out
 
 
+PARTIAL_GRAD = "R+partial-grad"
+"""Placement reported for a replicated parameter applied to token shards (norm weights, a
+row-parallel bias under sequence parallelism): each rank's gradient is a partial sum, which
+the runtime all-reduces over the TP group once per step, in one bucket, before the optimizer
+(as Megatron-LM does for layer-norm gradients under sequence parallelism)."""
+
+
 def tensor_parallel(
     gm: fx.GraphModule, chosen: dict[str, OpStrategy], mesh: DeviceMesh
 ) -> tuple[fx.GraphModule, dict[str, str]]:
-    """Rewrite ``gm`` in place for the TP mesh ``mesh`` (1-D); returns it and {param: placement}."""
+    """Rewrite ``gm`` in place for the TP mesh ``mesh`` (1-D); returns it and {param: placement}
+    (``PARTIAL_GRAD`` for parameters whose gradients the runtime must all-reduce each step)."""
     t = mesh.size()
     rank = mesh.get_local_rank()
     group = mesh.get_group().group_name
@@ -188,6 +213,7 @@ def tensor_parallel(
     placements: dict[str, str] = {}
     out_of = {name: s.out for name, s in chosen.items()}
     converted: dict[tuple[str, str], fx.Node] = {}
+    partial_grads: set[str] = set()  # replicated parameters applied to token shards
 
     def local_param(node: fx.Node, where: fx.Node, spec: str, split_factor: int = 1) -> fx.Node:
         fqn = str(node.target)
@@ -238,15 +264,27 @@ def tensor_parallel(
                     node.target, node.args = aten.mm.default, (x, lw)
                 else:
                     node.args = (x, lw, None)
+                scatter = shard_dim(s.out)
                 with graph.inserting_after(node):
-                    red = graph.call_function(tp_reduce, (node, group))
+                    if scatter is None:
+                        red = graph.call_function(tp_reduce, (node, group))
+                    else:  # sequence parallelism: each rank keeps its slice of the sequence
+                        red = graph.call_function(tp_reduce_scatter, (node, scatter, group))
                 out: fx.Node = red
                 if lb is not None:
+                    if scatter is not None:  # the bias meets a sequence shard: partial gradient
+                        assert isinstance(b, fx.Node)
+                        partial_grads.add(str(b.target))
                     with graph.inserting_after(red):
                         out = graph.call_function(aten.add.Tensor, (red, lb))
                 for new in {red, out}:  # same global shape as the linear's output
                     new.meta.update({k: node.meta[k] for k in ("val", "autopar.shape") if k in node.meta})
+                    out_of[new.name] = s.out
                 node.replace_all_uses_with(out, delete_user_cb=lambda u, red=red: u is not red)
+        if s.reduce_param_grads:
+            partial_grads.update(
+                str(a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"
+            )
         d = shard_dim(s.out)
         if (
             d is not None
@@ -262,6 +300,25 @@ def tensor_parallel(
             node.args = (node.args[0], int(node.args[1]) // t, *node.args[2:])  # type: ignore[call-overload]
         elif d is not None and node.target == aten.split_with_sizes.default and _split_dim(node) == d:
             node.args = (node.args[0], [int(x) // t for x in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
+    # operators outside the tensor-parallel layers (the head) take their inputs whole
+    for node in list(graph.nodes):
+        if (
+            node.op == "call_function"
+            and node.name not in chosen
+            and node.target not in _OURS
+            and isinstance(node.meta.get("val"), torch.Tensor | list | tuple)  # not metadata asserts
+        ):
+            for src in tensor_args(node):
+                have = out_of.get(src.name, R)
+                conv = _conversion(have, R, group, rank, t)
+                if conv is not None and src.name in chosen:
+                    fn, extra = conv
+                    new = converted.get((src.name, R))
+                    if new is None:
+                        with graph.inserting_after(src):
+                            new = graph.call_function(fn, (src, *extra))
+                        converted[src.name, R] = new
+                    node.replace_input_with(src, new)
     # 3. every parameter the graph still reads whole becomes a replicated DTensor read locally
     for node in list(graph.nodes):
         if node.op == "get_attr" and str(node.target) not in placements and _is_param(gm, str(node.target)):
@@ -273,11 +330,16 @@ def tensor_parallel(
                 for u in users:
                     u.replace_input_with(node, local)
                 placements[str(node.target)] = R
+    for fqn in partial_grads:
+        placements[fqn] = PARTIAL_GRAD
     graph.lint()
     gm.recompile()
-    sharded = {k: v for k, v in placements.items() if v != R}
+    sharded = {k: v for k, v in placements.items() if v not in (R, PARTIAL_GRAD)}
     log.info("tensor parallel over %d ranks: %d parameters sharded: %s", t, len(sharded), sharded)
     return gm, placements
+
+
+_OURS = (tp_copy, tp_reduce, tp_reduce_scatter, tp_gather, tp_slice, tp_chunks)
 
 
 def _split_dim(node: fx.Node) -> int:
@@ -308,4 +370,13 @@ def _conversion(have: str, need: str, group: str, rank: int, t: int) -> tuple[An
     raise AssertionError(f"no conversion {have} → {need}: the chooser forbids it")
 
 
-__all__ = ["tensor_parallel", "tp_chunks", "tp_copy", "tp_gather", "tp_reduce", "tp_slice"]
+__all__ = [
+    "PARTIAL_GRAD",
+    "tensor_parallel",
+    "tp_chunks",
+    "tp_copy",
+    "tp_gather",
+    "tp_reduce",
+    "tp_reduce_scatter",
+    "tp_slice",
+]

@@ -52,7 +52,11 @@ class OpStrategy:
     compute_fraction: float
     """Share of the operator's FLOPs and bytes each rank does: 1 or 1/t."""
     reduce_output: bool = False
-    """The operator all-reduces its output itself (row-parallel linear, vocab-parallel embedding)."""
+    """The operator reduces its partial output itself: all-reduce to ``R`` (row-parallel linear), or
+    reduce-scatter to ``S(1)`` (row-parallel under sequence parallelism)."""
+    reduce_param_grads: bool = False
+    """The operator runs on a token shard with replicated parameters (a norm under sequence
+    parallelism): their gradients are partial sums, all-reduced in backward."""
     params: dict[str, str] = field(default_factory=dict)
     """Placement of each parameter argument (``weight``/``bias``) when sharded."""
 
@@ -295,17 +299,18 @@ def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
                     params={"weight": S(out_dim), "bias": "S0"},
                 )
             )
-        if wshape[in_dim] % t == 0:  # row: input features split, partial outputs all-reduced
-            found.append(
-                OpStrategy(
-                    name="row",
-                    out=R,
-                    inputs=(S(len(shape) - 1),),
-                    compute_fraction=1 / t,
-                    reduce_output=True,
-                    params={"weight": S(in_dim), "bias": "R"},
+        if wshape[in_dim] % t == 0:  # row: input features split, partial outputs all-reduced …
+            for out in (R, S(1)) if len(shape) == 3 and shape[1] % t == 0 else (R,):
+                found.append(  # … or reduce-scattered over the sequence (sequence parallelism)
+                    OpStrategy(
+                        name="row",
+                        out=out,
+                        inputs=(S(len(shape) - 1),),
+                        compute_fraction=1 / t,
+                        reduce_output=True,
+                        params={"weight": S(in_dim), "bias": "R"},
+                    )
                 )
-            )
         return found
     if kind == "attention":  # (B, heads, T, head_dim): heads split; q, k and v all need it
         if all(_shape(a) is not None and _shape(a)[1] % t == 0 for a in ins[:3]) and shape[1] % t == 0:  # type: ignore[index]
@@ -337,9 +342,20 @@ def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
                     break
                 need.append(R if k == -1 else S(k))
             else:
+                # replicated parameters must broadcast along the sharded dim (a norm's weight
+                # does along the sequence, not along the features)
+                params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+                if any(_in_dim_for(node, p, d) not in (-1, None) for p in params):
+                    continue
                 if all(p != R for p in need[:1]):  # the main input carries the sharding
                     found.append(
-                        OpStrategy(name="follow", out=S(d), inputs=tuple(need), compute_fraction=1 / t)
+                        OpStrategy(
+                            name="follow",
+                            out=S(d),
+                            inputs=tuple(need),
+                            compute_fraction=1 / t,
+                            reduce_param_grads=bool(params),
+                        )
                     )
         return found
     return found
@@ -354,17 +370,42 @@ def is_deciding(node: fx.Node) -> bool:
     return RULES.get(node.target, "replicate") in DECIDING_KINDS
 
 
-def propagate(nodes: list[fx.Node], decided: dict[str, OpStrategy], t: int) -> dict[str, OpStrategy]:
+def stream_placement(sp: bool) -> str:
+    """Placement of the residual stream between layers: whole, or split over the sequence
+    (Megatron sequence parallelism, Korthikanti et al. 2022, §4.2.2)."""
+    return S(1) if sp else R
+
+
+def boundary(nodes: list[fx.Node], sp: bool) -> tuple[dict[str, str], set[str]]:
+    """(placement of each input from outside the layer, names of the layer's outputs).
+
+    Inputs shaped like the layer's output are the residual stream (``stream_placement``);
+    other outside inputs (rotary tables, masks) are replicated."""
+    inside = {n.name for n in nodes}
+    outputs = {n.name for n in nodes if any(u.name not in inside for u in n.users)}
+    shapes = {out_shape(n) for n in nodes if n.name in outputs}
+    placements = {}
+    for n in nodes:
+        for a in tensor_args(n):
+            if a.name not in inside:
+                placements[a.name] = stream_placement(sp) if out_shape(a) in shapes else R
+    return placements, outputs
+
+
+def propagate(
+    nodes: list[fx.Node], decided: dict[str, OpStrategy], t: int, *, sp: bool = False
+) -> dict[str, OpStrategy]:
     """Complete ``decided`` (strategies of the deciding operators) to every node of ``nodes``:
     a following operator takes the strategy whose input placements equal what its inputs
     already are (no collective), else runs replicated (its inputs are gathered)."""
     inside = {n.name for n in nodes}
+    outside, _ = boundary(nodes, sp)
     out: dict[str, OpStrategy] = {}
     for n in nodes:
         if n.name in decided:
             out[n.name] = decided[n.name]
             continue
-        have = tuple(out[a.name].out if a.name in inside else R for a in tensor_args(n))
+        have = tuple(out[a.name].out if a.name in inside else outside[a.name] for a in tensor_args(n))
         options = strategies(n, t)
         match = [s for s in options if s.inputs == have]
         out[n.name] = next((s for s in match if s.name != "replicate"), options[0] if not match else match[0])
@@ -380,12 +421,14 @@ __all__ = [
     "OpStrategy",
     "R",
     "S",
+    "boundary",
     "fused_chunks",
     "is_deciding",
     "linear_parts",
     "propagate",
     "shard_dim",
     "strategies",
+    "stream_placement",
     "tensor_args",
     "view_dim_map",
 ]

@@ -11,7 +11,7 @@ from autopar import Cluster
 from autopar.costing import profile_fn
 from autopar.plan import Plan
 from autopar.planner import Constraints, make_plan
-from autopar.tp_choice import choose_layer
+from autopar.tp_choice import choose_layer, model_boundary_collectives, step_collectives
 from autopar.verify import dp_worker, run_reference
 from autopar.zoo import GPT, GPTConfig
 from autopar.zoo.llama import Llama, LlamaConfig
@@ -33,11 +33,11 @@ def make_llama() -> torch.nn.Module:
     return Llama(LLAMA_CFG)
 
 
-def _plan(make, *, tp: int, dp: int, zero: int = 0) -> Plan:
+def _plan(make, *, tp: int, dp: int, zero: int = 0, sp: bool = False) -> Plan:
     with torch.device("meta"):
         meta = make()
     cons = Constraints(
-        tp=tp, pp=1, dp=dp, zero=zero, micro_batch=2, recompute=("none",), sequence_parallel=False
+        tp=tp, pp=1, dp=dp, zero=zero, micro_batch=2, recompute=("none",), sequence_parallel=sp
     )
     return make_plan(
         "tiny",
@@ -72,12 +72,12 @@ def _check(make, data, got, optimizer: str = "sgd") -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    plans = [_plan(make_gpt, tp=2, dp=1)]
+    plans = [_plan(make_gpt, tp=2, dp=1), _plan(make_gpt, tp=2, dp=1, sp=True)]
     return plans, _run(make_gpt, plans, 2, tmp_path_factory.mktemp("tp2"))
 
 
 def test_megatron_plan_for_the_gpt(world2) -> None:
-    (plan,), _ = world2
+    (plan, sp_plan), _ = world2
     ((_, ops),) = plan.tensor_parallel
     decided = {k.split(":")[0]: n for k, n, _ in ops}
     assert decided == {
@@ -87,47 +87,70 @@ def test_megatron_plan_for_the_gpt(world2) -> None:
         "mlp.c_fc": "column",
         "mlp.c_proj": "row",
     }
+    # sequence parallelism: the row-parallel outputs are reduce-scattered over the sequence
+    rows = {k.split(":")[0]: o for k, n, o in sp_plan.tensor_parallel[0][1] if n == "row"}
+    assert rows == {"attn.c_proj": "S1", "mlp.c_proj": "S1"}
 
 
-def test_tp2_gpt_matches_single_process(world2) -> None:
+@pytest.mark.parametrize("index", [0, 1], ids=["tp2", "tp2-sp"])
+def test_tp2_gpt_matches_single_process(world2, index: int) -> None:
     _, (data, results) = world2
-    gap, worst = _check(make_gpt, data, results[0])
-    print(f"TP2 GPT: max loss diff {gap:.1e}, max parameter diff (SGD) {worst:.1e}")
+    gap, worst = _check(make_gpt, data, results[index])
+    print(f"TP2 GPT {'SP' if index else ''}: max loss diff {gap:.1e}, max parameter diff (SGD) {worst:.1e}")
 
 
-def test_collectives_counted_match_the_plan(world2) -> None:
-    (plan,), (_, results) = world2
+def _predicted_counts(make, plan: Plan) -> dict[str, int]:
+    """Collectives per step the plan's per-layer choice predicts: per block × blocks ×
+    micro-batches, plus the model-boundary ones under sequence parallelism."""
     with torch.device("meta"):
-        meta = make_gpt()
-    cap = profile_fn(meta, dtype="fp32", seq=SEQ)(2).captured
+        meta = make()
+    cap = profile_fn(meta, dtype="fp32", seq=SEQ)(plan.strategy.micro_batch).captured
     assert cap is not None
-    layer = choose_layer(cap.gm, 1, 2, Cluster.from_dict(plan.cluster), dtype="fp32")
-    per_block: dict[str, int] = {}
+    st = plan.strategy
     names = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor"}
-    for c in layer.collectives:
-        per_block[names[c.kind]] = per_block.get(names[c.kind], 0) + 1
-    blocks, micro = GPT_CFG.n_layer, plan.strategy.micro_batches
+    names["reduce_scatter"] = "reduce_scatter_tensor"
+    counts: dict[str, int] = {}
+    for layer in cap.layers[1:-1]:
+        choice = choose_layer(
+            cap.gm, layer.index, st.tp, Cluster.from_dict(plan.cluster), dtype="fp32", sp=st.sequence_parallel
+        )
+        for c in choice.collectives:
+            counts[names[c.kind]] = counts.get(names[c.kind], 0) + st.micro_batches
+    for kind, _ in model_boundary_collectives(st.sequence_parallel):
+        counts[names[kind]] = counts.get(names[kind], 0) + st.micro_batches
+    for kind, _ in step_collectives(st.sequence_parallel):
+        counts[names[kind]] = counts.get(names[kind], 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["tp2", "tp2-sp"])
+def test_collectives_counted_match_the_plan(world2, index: int) -> None:
+    plans, (_, results) = world2
     # one step, forward and backward of every micro-batch, counted under a dispatch mode
-    assert results[0]["collectives"] == {k: v * blocks * micro for k, v in per_block.items()}
+    got, want = results[index]["collectives"], _predicted_counts(make_gpt, plans[index])
+    assert got == want
+    print(f"collectives per step, {plans[index].strategy.micro_batches} micro-batches: {got}")
 
 
 def test_tp4_and_tp2_by_dp2_zero3(tmp_path) -> None:
-    plans = [_plan(make_gpt, tp=4, dp=1), _plan(make_gpt, tp=2, dp=2, zero=3)]
+    plans = [_plan(make_gpt, tp=4, dp=1), _plan(make_gpt, tp=2, dp=2, zero=3, sp=True)]
     assert all(p.tensor_parallel and p.tensor_parallel[0][1] for p in plans)  # really sharded
     data, results = _run(make_gpt, plans, 4, tmp_path)
     for plan, got in zip(plans, results, strict=True):
         gap, worst = _check(make_gpt, data, got)
         st = plan.strategy
-        print(f"TP{st.tp}×DP{st.dp} ZeRO-{st.zero}: max loss diff {gap:.1e}, parameter diff {worst:.1e}")
+        sp = " SP" if st.sequence_parallel else ""
+        print(f"TP{st.tp}×DP{st.dp} ZeRO-{st.zero}{sp}: max loss diff {gap:.1e}, parameter diff {worst:.1e}")
 
 
-def test_tp2_llama_gqa_rope(tmp_path) -> None:
-    plan = _plan(make_llama, tp=2, dp=1)
+def test_tp2_llama_gqa_rope_sequence_parallel(tmp_path) -> None:
+    plan = _plan(make_llama, tp=2, dp=1, sp=True)
     decided = {k.split(":")[0]: n for k, n, _ in plan.tensor_parallel[0][1]}
     assert decided.get("attention.wk") == "column" and decided.get("feed_forward.w2") == "row", decided
     data, results = _run(make_llama, [plan], 2, tmp_path)
     gap, worst = _check(make_llama, data, results[0])
-    print(f"TP2 Llama (GQA 8/4 heads, RoPE): max loss diff {gap:.1e}, parameter diff {worst:.1e}")
+    assert results[0]["collectives"] == _predicted_counts(make_llama, plan)
+    print(f"TP2 SP Llama (GQA 8/4 heads, RoPE): max loss diff {gap:.1e}, parameter diff {worst:.1e}")
 
 
 def make_hf_gpt2() -> torch.nn.Module:

@@ -26,11 +26,12 @@ def _block_nodes(n_head: int = 4, n_embd: int = 32):
 
 def test_linear_offers_replicate_column_row() -> None:
     nodes, _ = _block_nodes()
-    by_name = {s.name: s for s in strategies(nodes["linear"], 2)}  # the fused QKV projection
-    assert set(by_name) == {"replicate", "column", "row"}
-    assert by_name["column"].inputs == (RF,) and by_name["column"].out == "S2"
-    assert by_name["row"].inputs == ("S2",) and by_name["row"].out == R and by_name["row"].reduce_output
-    assert by_name["column"].compute_fraction == 0.5
+    options = strategies(nodes["linear"], 2)  # the fused QKV projection
+    assert [s.name for s in options] == ["replicate", "column", "row", "row"]
+    column, row, row_sp = options[1:]
+    assert column.inputs == (RF,) and column.out == "S2" and column.compute_fraction == 0.5
+    assert row.inputs == ("S2",) and row.out == R and row.reduce_output  # all-reduce
+    assert row_sp.out == "S1" and row_sp.reduce_output  # reduce-scatter over the sequence
 
 
 def test_heads_must_divide() -> None:
