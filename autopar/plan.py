@@ -64,9 +64,8 @@ class Plan:
     optimality_gap: float = 0.0
     """Largest relative MIP gap HiGHS proved on the chosen layout (0 = optimal)."""
     tensor_parallel: tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...] = ()
-    """Per layer type, its sharded operators as (op key ``module:op#k``, strategy, output
-    placement), e.g. ("Block", (("attn.c_attn:linear#0", "column", "S2"), …)); every other
-    operator runs replicated. Empty when tp = 1."""
+    """Per layer type, every operator's strategy as (op key ``module:op#k``, strategy, output
+    placement), e.g. ("Block", (("attn.c_attn:linear#0", "column", "S2"), …)). Empty when tp = 1."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; ``Plan.from_dict(p.to_dict()) == p``."""

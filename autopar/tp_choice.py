@@ -46,10 +46,8 @@ from autopar.passes.tp_rules import (
     R,
     boundary,
     fused_chunks,
-    is_deciding,
     linear_parts,
     out_shape,
-    propagate,
     shard_dim,
     strategies,
     stream_placement,
@@ -282,11 +280,7 @@ def choose_layer(
         n.name: options[n][next(i for i in range(len(options[n])) if (x[n, i].value() or 0) > 0.5)]
         for n in nodes
     }
-    # what runs: the deciding operators as solved, the rest propagated (usually identical to the
-    # solution; where not, the summary prices what will actually execute)
-    decided = {k: v for k, v in solved.items() if is_deciding(_by_name(nodes, k))}
-    chosen = propagate(nodes, decided, t, sp=sp)
-    return _summarise(nodes, chosen, t, link, cluster, dtype, outside, grads)
+    return _summarise(nodes, solved, t, link, cluster, dtype, outside, grads)
 
 
 def _by_name(nodes: list[fx.Node], name: str) -> fx.Node:
@@ -331,15 +325,12 @@ def _summarise(
 def plan_table(
     gm: fx.GraphModule, layer: int, prefix: str, choice: LayerTP
 ) -> tuple[tuple[str, str, str], ...]:
-    """The deciding operators' non-replicated choices as (op key, strategy, output placement) for
-    the Plan; the other operators' placements follow from these (``tp_rules.propagate``)."""
+    """Every operator's choice as (op key, strategy, output placement) for the Plan. At run time
+    an operator the table doesn't name (a no-op traced only at another batch size) follows its
+    inputs (``tp_rules.propagate``)."""
     nodes = layer_nodes(gm, layer)
     keys = op_keys(nodes, prefix)
-    return tuple(
-        (keys[n.name], choice.strategies[n.name].name, choice.strategies[n.name].out)
-        for n in nodes
-        if is_deciding(n) and choice.strategies[n.name].name != "replicate"
-    )
+    return tuple((keys[n.name], choice.strategies[n.name].name, choice.strategies[n.name].out) for n in nodes)
 
 
 __all__ = [

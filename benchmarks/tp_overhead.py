@@ -107,7 +107,9 @@ def main() -> int:
         ),
     ).plan
     print(plan.text().splitlines()[-1])
-    decided = {k.split(":")[0]: n for k, n, _ in plan.tensor_parallel[0][1]}
+    decided = {
+        k.split(":")[0]: n for k, n, _ in plan.tensor_parallel[0][1] if n in ("column", "row", "heads")
+    }
     megatron = {m: "column" for m in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1")}
     megatron |= {"feed_forward.w3": "column", "attention.wo": "row", "feed_forward.w2": "row"}
     if any(decided.get(m) != n for m, n in megatron.items()):
