@@ -146,7 +146,7 @@ def solve_layout(
         if pulp.HiGHS().available()
         else pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=MIP_GAP)
     )
-    with _stdout_silenced():  # HiGHS prints a banner once per process, even with msg=False
+    with stdout_silenced():  # HiGHS prints a banner once per process, even with msg=False
         prob.solve(solver)
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return None
@@ -166,7 +166,7 @@ def solve_layout(
 
 
 @contextlib.contextmanager
-def _stdout_silenced() -> Iterator[None]:
+def stdout_silenced() -> Iterator[None]:
     """Point file descriptor 1 at /dev/null (C libraries write there directly)."""
     sys.stdout.flush()
     saved = os.dup(1)

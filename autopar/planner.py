@@ -25,6 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from autopar.cluster import Cluster
 from autopar.cost_models.estimate import Estimate, estimate, stage_layer_names
@@ -369,7 +370,13 @@ def baselines(
 
 
 def to_plan(
-    model: str, cluster: Cluster, cand: Candidate, profile: ModelProfile, solve_time_s: float
+    model: str,
+    cluster: Cluster,
+    cand: Candidate,
+    profile: ModelProfile,
+    solve_time_s: float,
+    *,
+    captured: Any = None,
 ) -> Plan:
     """Wrap a candidate as a Plan keyed by layer names."""
     st, est = cand.strategy, cand.estimate
@@ -408,17 +415,25 @@ def to_plan(
         predicted=est.to_dict(),
         solve_time_s=solve_time_s,
         optimality_gap=cand.gap,
-        tensor_parallel=tp_tables(profile, cluster, st.tp, st.dtype, sp=st.sequence_parallel),
+        tensor_parallel=tp_tables(
+            profile, cluster, st.tp, st.dtype, sp=st.sequence_parallel, captured=captured
+        ),
     )
 
 
 def tp_tables(
-    profile: ModelProfile, cluster: Cluster, tp: int, dtype: str, *, sp: bool = False
+    profile: ModelProfile,
+    cluster: Cluster,
+    tp: int,
+    dtype: str,
+    *,
+    sp: bool = False,
+    captured: Any = None,
 ) -> tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]:
     """Per block type, the per-operator TP strategies the intra-layer ILP chooses (empty at tp 1)."""
     from autopar.tp_choice import choose_layer, plan_table
 
-    cap = profile.captured
+    cap = captured if captured is not None else profile.captured  # best: the graph at the plan's b
     if tp == 1 or cap is None:
         return ()
     tables = []
@@ -471,7 +486,9 @@ def make_plan(
         raise _infeasible(cluster, res.leanest, constraints)
     elapsed = time.perf_counter() - start
     best = replace(res.found[0], gap=res.gap)
-    plan = to_plan(model, cluster, best, profile_at(best.strategy.micro_batch), elapsed)
+    b = best.strategy.micro_batch
+    graph = profile_at.captured(b) if hasattr(profile_at, "captured") else None  # exactly at b
+    plan = to_plan(model, cluster, best, profile_at(b), elapsed, captured=graph)
     validate_plan(
         plan,
         world_size=cluster.world_size,

@@ -39,6 +39,7 @@ from torch import fx
 from autopar.cluster import Cluster
 from autopar.cost_models.comm import GroupLink, allgather_time_s, allreduce_time_s, group_link
 from autopar.errors import AutoparError
+from autopar.layout_ilp import stdout_silenced
 from autopar.passes.tp_rules import (
     LINEAR_ARGS,
     RF,
@@ -273,7 +274,8 @@ def choose_layer(
                         convert_once((u.name, have, need), c, active, f"conv_{tag}")
     # seconds are ~1e-6: scale the objective so the solver's tolerances don't swallow it
     prob += 1e6 * pulp.lpSum(cost)
-    prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
+    with stdout_silenced():  # HiGHS's banner would corrupt --json output
+        prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
     if prob.sol_status not in (1, 2):
         raise AutoparError(f"no tensor-parallel layout of layer {layer} at tp {t} (status {prob.status})")
     solved = {

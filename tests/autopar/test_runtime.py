@@ -256,3 +256,19 @@ def test_hugging_face_gpt2_zero3_recompute_accumulation(capsys, tmp_path) -> Non
     assert code == 0 and rep["passed"], rep
     assert rep["plan"]["layout"] == [[0, 0, 4]]  # all four transformer.h.* blocks recomputed
     assert rep["max_loss_diff"] <= 1e-5 and rep["max_param_diff"] <= 1e-4
+
+
+def test_verify_cli_tensor_parallel_json(capsys, tmp_path) -> None:
+    """`autopar verify --tp 2 --sequence-parallel --json`: a TP plan runs through the CLI and the
+    output is clean JSON (the ILP solver's banner must not reach stdout)."""
+    import json
+
+    from autopar.cli import main
+
+    path = tmp_path / "tiny.py"
+    path.write_text(TINY)
+    code = main(["verify", f"{path}:tiny", "--tp", "2", "--sequence-parallel", "--steps", "2", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert code == 0 and rep["passed"], rep
+    assert rep["plan"]["tp"] == 2 and rep["plan"]["sequence_parallel"] is True
+    assert rep["max_loss_diff"] <= 1e-5
