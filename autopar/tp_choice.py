@@ -11,7 +11,8 @@ Zheng et al., "Alpa", OSDI'22, §4.1, solved with PuLP + HiGHS:
     s.t. Σ_s x[v,s] = 1                           (one strategy per operator)
          y[u,v,a,b] ≥ x[u,a] + x[v,b] − 1         (edge cost is paid when both are chosen)
          x[u,a] + x[v,b] ≤ 1  where reshard = ∞   (no all-to-all between different shard dims)
-         layer inputs and outputs are replicated  (layers compose; no sequence parallelism here)
+         layer outputs leave as the residual stream: replicated, or split over the sequence
+         under sequence parallelism (a conversion is priced where an output can't be)
 
 Resharding costs (bytes N of the full tensor, ring collectives of ``cost_models.comm``):
 
@@ -251,9 +252,14 @@ def choose_layer(
         for i, s in enumerate(options[n]):
             own = sum(_collective_s(c, t, link) for c in own_collectives(n, s))
             cost.append((base * s.compute_fraction + own) * x[n, i])
-            # layer outputs leave as the residual stream the next layer expects
+            # layer outputs become the residual stream the next layer expects (an operator that
+            # can only run replicated, e.g. MoE routing, pays for the conversion)
             if n.name in outputs and s.out != stream:
-                prob += x[n, i] == 0, f"output_stream_{n.name}_{i}"
+                c, _ = reshard(s.out, stream, _bytes(n), t, link, grad=n.name in grads)
+                if c == INFEASIBLE:
+                    prob += x[n, i] == 0, f"output_stream_{n.name}_{i}"
+                else:
+                    cost.append(c * x[n, i])
     for v in nodes:
         for slot, u in enumerate(tensor_args(v)):
             size = _bytes(u)
@@ -282,7 +288,7 @@ def choose_layer(
         n.name: options[n][next(i for i in range(len(options[n])) if (x[n, i].value() or 0) > 0.5)]
         for n in nodes
     }
-    return _summarise(nodes, solved, t, link, cluster, dtype, outside, grads)
+    return _summarise(nodes, solved, t, link, cluster, dtype, outside, grads, outputs, stream)
 
 
 def _by_name(nodes: list[fx.Node], name: str) -> fx.Node:
@@ -298,6 +304,8 @@ def _summarise(
     dtype: str,
     outside: dict[str, str],
     grads: set[str],
+    outputs: set[str],
+    stream: str,
 ) -> LayerTP:
     inside = {n.name for n in nodes}
     collectives: list[Collective] = []
@@ -321,6 +329,10 @@ def _summarise(
             c, kinds = reshard(src, need, _bytes(u), t, link, grad=u.name in grads)
             total += c
             collectives += [Collective(kind=k, phase=p, size_bytes=_bytes(u), at=n.name) for k, p in kinds]
+        if n.name in outputs and s.out != stream:  # converted for the next layer
+            c, kinds = reshard(s.out, stream, _bytes(n), t, link, grad=n.name in grads)
+            total += c
+            collectives += [Collective(kind=k, phase=p, size_bytes=_bytes(n), at=n.name) for k, p in kinds]
     return LayerTP(strategies=chosen, modules=modules, collectives=tuple(collectives), time_s=total)
 
 
