@@ -438,7 +438,7 @@ def tp_tables(
         return ()
     tables = []
     done: set[str] = set()
-    for layer in cap.layers[1:-1]:  # blocks; embedding and head stay replicated for now
+    for layer in cap.layers[1:-1]:  # blocks, one ILP per block type
         if layer.type in done:
             continue
         done.add(layer.type)
@@ -449,6 +449,11 @@ def tp_tables(
             )
         choice = choose_layer(cap.gm, layer.index, tp, cluster, dtype=dtype, sp=sp)
         tables.append((layer.type, plan_table(cap.gm, layer.index, layer.name, choice)))
+    # embedding and head together: they may share a weight (tied), which takes one placement
+    first, last = cap.layers[0], cap.layers[-1]
+    ends = choose_layer(cap.gm, (first.index, last.index), tp, cluster, dtype=dtype, sp=sp)
+    for layer in (first, last):
+        tables.append((layer.type, plan_table(cap.gm, layer.index, layer.name, ends)))
     return tuple(tables)
 
 

@@ -32,6 +32,7 @@ written anywhere here: it is what these costs select.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pulp
@@ -125,13 +126,6 @@ def reshard(
     return sum(cost[k] for k, _ in steps), steps
 
 
-def model_boundary_collectives(sp: bool) -> list[tuple[str, str]]:
-    """Per micro-batch, outside the blocks: under sequence parallelism the embedding's output is
-    sliced over the sequence (its gradient all-gathered) and the last block's output is
-    all-gathered for the head."""
-    return [("all_gather", "backward"), ("all_gather", "forward")] if sp else []
-
-
 def step_collectives(sp: bool) -> list[tuple[str, str]]:
     """Once per step: under sequence parallelism the partial gradients of the replicated
     parameters applied to sequence shards (norms, row-parallel biases) are all-reduced over the
@@ -141,7 +135,7 @@ def step_collectives(sp: bool) -> list[tuple[str, str]]:
 
 def needs_grad(gm: fx.GraphModule) -> set[str]:
     """Names of the nodes whose values need a gradient: those computed from a parameter."""
-    params = {name for name, _ in gm.named_parameters()}
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}  # tied: every name
     found: set[str] = set()
     for n in gm.graph.nodes:
         if (n.op == "get_attr" and str(n.target) in params) or any(
@@ -204,6 +198,16 @@ def own_collectives(n: fx.Node, s: OpStrategy) -> list[Collective]:
     return found
 
 
+def _param_placement(s: OpStrategy, n: fx.Node, pos: int) -> str:
+    """Placement strategy ``s`` of node ``n`` gives the parameter at argument ``pos``."""
+    if n.target in LINEAR_ARGS:
+        _, wi, bi, _ = LINEAR_ARGS[n.target]
+        role = "weight" if pos == wi else "bias" if pos == bi else ""
+    else:
+        role = "weight" if pos == 0 and s.name == "vocab" else ""
+    return s.params.get(role, R)
+
+
 def _collective_s(c: Collective, t: int, link: GroupLink) -> float:
     if c.kind == "all_reduce":
         return allreduce_time_s(c.size_bytes, t, link)
@@ -212,7 +216,7 @@ def _collective_s(c: Collective, t: int, link: GroupLink) -> float:
 
 def choose_layer(
     gm: fx.GraphModule,
-    layer: int,
+    layer: int | tuple[int, ...],
     t: int,
     cluster: Cluster,
     *,
@@ -220,13 +224,16 @@ def choose_layer(
     sp: bool = False,
     time_limit_s: float = 10.0,
 ) -> LayerTP:
-    """Solve the ILP above for the operators of layer index ``layer`` at TP degree ``t``
-    (``sp``: the residual stream enters and leaves split over the sequence)."""
-    nodes = layer_nodes(gm, layer)
+    """Solve the ILP above for the operators of layer index ``layer`` (or of several layers solved
+    together: embedding and head, which may share a weight) at TP degree ``t`` (``sp``: the
+    residual stream enters and leaves split over the sequence)."""
+    layers = (layer,) if isinstance(layer, int) else layer
+    nodes = [n for i in layers for n in layer_nodes(gm, i)]
     inside = set(nodes)
     grads = needs_grad(gm)
     outside, outputs = boundary(nodes, sp)
     stream = stream_placement(sp)
+    final = {n.name for n in nodes if any(u.op == "output" for u in n.users)}  # the model's output
     link = group_link(cluster, size=t, stride=1)
     prob = pulp.LpProblem(f"tp_layer_{layer}", pulp.LpMinimize)
     options = {n: strategies(n, t) for n in nodes}
@@ -254,8 +261,9 @@ def choose_layer(
             cost.append((base * s.compute_fraction + own) * x[n, i])
             # layer outputs become the residual stream the next layer expects (an operator that
             # can only run replicated, e.g. MoE routing, pays for the conversion)
-            if n.name in outputs and s.out != stream:
-                c, _ = reshard(s.out, stream, _bytes(n), t, link, grad=n.name in grads)
+            leave = R if n.name in final else stream
+            if n.name in outputs and s.out != leave:
+                c, _ = reshard(s.out, leave, _bytes(n), t, link, grad=n.name in grads)
                 if c == INFEASIBLE:
                     prob += x[n, i] == 0, f"output_stream_{n.name}_{i}"
                 else:
@@ -278,6 +286,27 @@ def choose_layer(
                         prob += active <= 0, f"no_reshard_{tag}"
                     elif c > 0:
                         convert_once((u.name, have, need), c, active, f"conv_{tag}")
+    # a parameter read by several operators (a weight tied between embedding and head) has one
+    # placement: the strategies chosen must agree on it
+    readers: dict[str, list[tuple[fx.Node, int]]] = {}
+    for n in nodes:
+        for pos, arg in enumerate(n.args):
+            if isinstance(arg, fx.Node) and arg.op == "get_attr":
+                readers.setdefault(str(arg.target), []).append((n, pos))
+    for users in readers.values():
+        for (u, pu), (v, pv) in itertools.pairwise(users):
+            for place in {_param_placement(s, u, pu) for s in options[u]} | {
+                _param_placement(s, v, pv) for s in options[v]
+            }:
+                prob += (
+                    pulp.lpSum(
+                        x[u, i] for i, s in enumerate(options[u]) if _param_placement(s, u, pu) == place
+                    )
+                    == pulp.lpSum(
+                        x[v, i] for i, s in enumerate(options[v]) if _param_placement(s, v, pv) == place
+                    ),
+                    f"tied_{len(prob.constraints)}",
+                )
     # seconds are ~1e-6: scale the objective so the solver's tolerances don't swallow it
     prob += 1e6 * pulp.lpSum(cost)
     with stdout_silenced():  # HiGHS's banner would corrupt --json output
@@ -288,7 +317,7 @@ def choose_layer(
         n.name: options[n][next(i for i in range(len(options[n])) if (x[n, i].value() or 0) > 0.5)]
         for n in nodes
     }
-    return _summarise(nodes, solved, t, link, cluster, dtype, outside, grads, outputs, stream)
+    return _summarise(nodes, solved, t, link, cluster, dtype, outside, grads, outputs, stream, final)
 
 
 def _by_name(nodes: list[fx.Node], name: str) -> fx.Node:
@@ -306,6 +335,7 @@ def _summarise(
     grads: set[str],
     outputs: set[str],
     stream: str,
+    final: set[str] | None = None,
 ) -> LayerTP:
     inside = {n.name for n in nodes}
     collectives: list[Collective] = []
@@ -329,8 +359,9 @@ def _summarise(
             c, kinds = reshard(src, need, _bytes(u), t, link, grad=u.name in grads)
             total += c
             collectives += [Collective(kind=k, phase=p, size_bytes=_bytes(u), at=n.name) for k, p in kinds]
-        if n.name in outputs and s.out != stream:  # converted for the next layer
-            c, kinds = reshard(s.out, stream, _bytes(n), t, link, grad=n.name in grads)
+        leave = R if n.name in (final or set()) else stream
+        if n.name in outputs and s.out != leave:  # converted for the next layer (or the model's output)
+            c, kinds = reshard(s.out, leave, _bytes(n), t, link, grad=n.name in grads)
             total += c
             collectives += [Collective(kind=k, phase=p, size_bytes=_bytes(n), at=n.name) for k, p in kinds]
     return LayerTP(strategies=chosen, modules=modules, collectives=tuple(collectives), time_s=total)
@@ -352,7 +383,6 @@ __all__ = [
     "LayerTP",
     "choose_layer",
     "layer_nodes",
-    "model_boundary_collectives",
     "needs_grad",
     "op_keys",
     "plan_table",

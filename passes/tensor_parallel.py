@@ -140,6 +140,14 @@ def tp_reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return _ReduceScatter.apply(x, dim, group)  # type: ignore[no-any-return]
 
 
+def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Look up ``ids`` in this rank's rows [lo, hi) of the embedding; other ids give zeros (the
+    partial sums all ranks then add up: Megatron's vocabulary-parallel embedding)."""
+    outside = (ids < lo) | (ids >= hi)
+    rows = torch.ops.aten.embedding.default(weight, (ids - lo).masked_fill(outside, 0))
+    return rows.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
 def tp_copy(x: torch.Tensor, group: str) -> torch.Tensor:
     """Megatron f: identity forward, all-reduce of the gradient."""
     return _Copy.apply(x, group)  # type: ignore[no-any-return]
@@ -281,6 +289,22 @@ def tensor_parallel(
                     new.meta.update({k: node.meta[k] for k in ("val", "autopar.shape") if k in node.meta})
                     out_of[new.name] = s.out
                 node.replace_all_uses_with(out, delete_user_cb=lambda u, red=red: u is not red)
+        if s.name == "vocab":  # vocabulary-parallel lookup: rows outside this rank's range are 0
+            w, ids = node.args[0], node.args[1]
+            assert isinstance(w, fx.Node)
+            vocab = int(w.meta["val"].shape[0])
+            lw = local_param(w, node, "S0")
+            lo, hi = rank * vocab // t, (rank + 1) * vocab // t
+            node.target, node.args = vocab_embedding, (lw, ids, lo, hi)
+            scatter = shard_dim(s.out)
+            with graph.inserting_after(node):
+                if scatter is None:
+                    red = graph.call_function(tp_reduce, (node, group))
+                else:
+                    red = graph.call_function(tp_reduce_scatter, (node, scatter, group))
+            red.meta.update({k: node.meta[k] for k in ("val", "autopar.shape") if k in node.meta})
+            out_of[red.name] = s.out
+            node.replace_all_uses_with(red, delete_user_cb=lambda u, red=red: u is not red)
         if s.reduce_param_grads:
             partial_grads.update(
                 str(a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"
@@ -303,10 +327,10 @@ def tensor_parallel(
     # operators outside the tensor-parallel layers (the head) take their inputs whole
     for node in list(graph.nodes):
         if (
-            node.op == "call_function"
+            node.op in ("call_function", "output")
             and node.name not in chosen
             and node.target not in _OURS
-            and isinstance(node.meta.get("val"), torch.Tensor | list | tuple)  # not metadata asserts
+            and (node.op == "output" or isinstance(node.meta.get("val"), torch.Tensor | list | tuple))
         ):
             for src in tensor_args(node):
                 have = out_of.get(src.name, R)
@@ -339,7 +363,7 @@ def tensor_parallel(
     return gm, placements
 
 
-_OURS = (tp_copy, tp_reduce, tp_reduce_scatter, tp_gather, tp_slice, tp_chunks)
+_OURS = (tp_copy, tp_reduce, tp_reduce_scatter, tp_gather, tp_slice, tp_chunks, vocab_embedding)
 
 
 def _split_dim(node: fx.Node) -> int:
@@ -379,4 +403,5 @@ __all__ = [
     "tp_reduce",
     "tp_reduce_scatter",
     "tp_slice",
+    "vocab_embedding",
 ]

@@ -312,6 +312,23 @@ def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
                     )
                 )
         return found
+    if kind == "embedding":  # vocabulary-parallel: each rank looks up its rows, the rest are 0
+        w = node.args[0]
+        wshape = _shape(w) if isinstance(w, fx.Node) else None
+        if wshape is not None and wshape[0] % t == 0:
+            outs = (R, S(1)) if len(shape) == 3 and shape[1] % t == 0 else (R,)
+            for out in outs:  # partial rows all-reduced, or reduce-scattered over the sequence
+                found.append(
+                    OpStrategy(
+                        name="vocab",
+                        out=out,
+                        inputs=tuple(R for _ in ins),
+                        compute_fraction=1 / t,
+                        reduce_output=True,
+                        params={"weight": "S0"},
+                    )
+                )
+        return found
     if kind == "attention":  # (B, heads, T, head_dim): heads split; q, k and v all need it
         if all(_shape(a) is not None and _shape(a)[1] % t == 0 for a in ins[:3]) and shape[1] % t == 0:  # type: ignore[index]
             # an attention mask broadcast over heads (size 1 there) stays replicated

@@ -12,7 +12,7 @@ from autopar.costing import profile_fn
 from autopar.plan import Plan
 from autopar.planner import Constraints, make_plan
 from autopar.runtime_tp import DECIDING_NAMES as SHARDING
-from autopar.tp_choice import choose_layer, model_boundary_collectives, step_collectives
+from autopar.tp_choice import choose_layer, step_collectives
 from autopar.verify import dp_worker, run_reference
 from autopar.zoo import GPT, GPTConfig
 from autopar.zoo.llama import Llama, LlamaConfig
@@ -79,7 +79,7 @@ def world2(tmp_path_factory):
 
 def test_megatron_plan_for_the_gpt(world2) -> None:
     (plan, sp_plan), _ = world2
-    ((_, ops),) = plan.tensor_parallel
+    ops = dict(plan.tensor_parallel)["Block"]
     decided = {k.split(":")[0]: n for k, n, _ in ops if n in SHARDING}
     assert decided == {
         "attn.c_attn": "column",
@@ -111,14 +111,16 @@ def _predicted_counts(make, plan: Plan) -> dict[str, int]:
     names = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor"}
     names["reduce_scatter"] = "reduce_scatter_tensor"
     counts: dict[str, int] = {}
-    for layer in cap.layers[1:-1]:
-        choice = choose_layer(
-            cap.gm, layer.index, st.tp, Cluster.from_dict(plan.cluster), dtype="fp32", sp=st.sequence_parallel
-        )
+    cluster = Cluster.from_dict(plan.cluster)
+    sp = st.sequence_parallel
+    choices = [
+        choose_layer(cap.gm, layer.index, st.tp, cluster, dtype="fp32", sp=sp) for layer in cap.layers[1:-1]
+    ]
+    ends = (cap.layers[0].index, cap.layers[-1].index)  # embedding and head, solved together
+    choices.append(choose_layer(cap.gm, ends, st.tp, cluster, dtype="fp32", sp=sp))
+    for choice in choices:
         for c in choice.collectives:
             counts[names[c.kind]] = counts.get(names[c.kind], 0) + st.micro_batches
-    for kind, _ in model_boundary_collectives(st.sequence_parallel):
-        counts[names[kind]] = counts.get(names[kind], 0) + st.micro_batches
     for kind, _ in step_collectives(st.sequence_parallel):
         counts[names[kind]] = counts.get(names[kind], 0) + 1
     return counts
@@ -202,3 +204,41 @@ def test_tp2_hugging_face_models_unmodified(make, tmp_path) -> None:
     data, results = _run(make, [plan], 2, tmp_path)
     gap, worst = _check(make, data, results[0])
     print(f"TP2 {make.__name__}: {decided}: max loss diff {gap:.1e}, parameter diff {worst:.1e}")
+
+
+VOCAB_CFG = GPTConfig(n_layer=2, n_embd=256, n_head=4, vocab_size=4096, block_size=SEQ)
+
+
+def make_gpt_big_vocab() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(VOCAB_CFG)
+
+
+def test_vocab_parallel_embedding_and_head_tied(tmp_path) -> None:
+    """Vocabulary 4096: the embedding is split by rows and the (tied) head by output columns, one
+    placement for the shared weight; the logits are gathered for the loss. With and without SP."""
+    plans = [_plan(make_gpt_big_vocab, tp=2, dp=1), _plan(make_gpt_big_vocab, tp=2, dp=1, sp=True)]
+    for plan in plans:
+        ends = {
+            ltype: {k.split(":")[0]: n for k, n, _ in ops if n in SHARDING}
+            for ltype, ops in plan.tensor_parallel
+        }
+        assert ends["embed"] == {"wte": "vocab"} and ends["head"] == {"lm_head": "column"}, ends
+    torch.manual_seed(1)
+    data = torch.randint(0, VOCAB_CFG.vocab_size, (STEPS, BATCH, SEQ))
+    out = tmp_path / "vocab.pt"
+    args = (
+        2,
+        f"file://{tmp_path / 'init'}",
+        make_gpt_big_vocab,
+        [p.to_json() for p in plans],
+        data,
+        STEPS,
+        str(out),
+    )
+    mp.spawn(dp_worker, args=(*args, None, "sgd"), nprocs=2, join=True)
+    for plan, got in zip(plans, torch.load(out), strict=True):
+        gap, worst = _check(make_gpt_big_vocab, data, got)
+        assert got["collectives"] == _predicted_counts(make_gpt_big_vocab, plan)
+        sp = " SP" if plan.strategy.sequence_parallel else ""
+        print(f"TP2{sp} vocab-parallel GPT (V 4096): loss diff {gap:.1e}, parameter diff {worst:.1e}")
