@@ -43,6 +43,7 @@ from autopar.cost_models.terms import (
 from autopar.errors import AutoparError
 from autopar.layout_ilp import fits_somehow, max_blocks, solve_layout
 from autopar.plan import Plan, StagePlan, validate_plan
+from autopar.tp_choice import tp_tables
 
 
 class InfeasibleError(AutoparError):
@@ -419,42 +420,6 @@ def to_plan(
             profile, cluster, st.tp, st.dtype, sp=st.sequence_parallel, captured=captured
         ),
     )
-
-
-def tp_tables(
-    profile: ModelProfile,
-    cluster: Cluster,
-    tp: int,
-    dtype: str,
-    *,
-    sp: bool = False,
-    captured: Any = None,
-) -> tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]:
-    """Per block type, the per-operator TP strategies the intra-layer ILP chooses (empty at tp 1)."""
-    from autopar.tp_choice import choose_layer, plan_table
-
-    cap = captured if captured is not None else profile.captured  # best: the graph at the plan's b
-    if tp == 1 or cap is None:
-        return ()
-    tables = []
-    done: set[str] = set()
-    for layer in cap.layers[1:-1]:  # blocks, one ILP per block type
-        if layer.type in done:
-            continue
-        done.add(layer.type)
-        if profile.heads and profile.heads % tp:
-            raise AutoparError(
-                f"tp {tp}: no way to split {layer.name}'s attention heads ({profile.heads} heads) "
-                f"{tp} ways; choose a tp that divides the head count"
-            )
-        choice = choose_layer(cap.gm, layer.index, tp, cluster, dtype=dtype, sp=sp)
-        tables.append((layer.type, plan_table(cap.gm, layer.index, layer.name, choice)))
-    # embedding and head together: they may share a weight (tied), which takes one placement
-    first, last = cap.layers[0], cap.layers[-1]
-    ends = choose_layer(cap.gm, (first.index, last.index), tp, cluster, dtype=dtype, sp=sp)
-    for layer in (first, last):
-        tables.append((layer.type, plan_table(cap.gm, layer.index, layer.name, ends)))
-    return tuple(tables)
 
 
 def make_plan(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.checkpointing import flatten, load_zero1_state, map_dtensors, restride, unstride, zero1_state
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.plan import Plan
@@ -214,23 +215,23 @@ class ParallelModel:
 
         state: dict[str, Any]
         if self.plan.strategy.zero == 1:
-            state = {"model": get_model_state_dict(self.module), "optimizer": _zero1_state(self)}
+            state = {"model": get_model_state_dict(self.module), "optimizer": zero1_state(self)}
         else:
             model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
-        return _map_dtensors(state, _unstride)
+        return map_dtensors(state, unstride)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of ``state_dict`` (after ``torch.distributed.checkpoint.load`` into it)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
         if self.plan.strategy.tp > 1:  # fused-QKV shards were saved as plain shards
-            state = _map_dtensors(state, _restride, like=self.state_dict_placements())
+            state = map_dtensors(state, restride, like=self.state_dict_placements())
         if self.plan.strategy.zero == 1:
             set_model_state_dict(self.module, state["model"])
-            _load_zero1_state(self, state["optimizer"])
+            load_zero1_state(self, state["optimizer"])
         else:
             set_state_dict(
                 self.module,
@@ -242,12 +243,12 @@ class ParallelModel:
             self.scaler.load_state_dict(state["scaler"])
 
     def state_dict_placements(self) -> dict[str, Any]:
-        """Flattened key → the DTensor placements training uses (to undo ``_unstride`` on load)."""
+        """Flattened key → the DTensor placements training uses (to undo ``unstride`` on load)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
         flat: dict[str, Any] = {}
-        _flatten({"model": model_sd, "optimizer": optim_sd}, "", flat)
+        flatten({"model": model_sd, "optimizer": optim_sd}, "", flat)
         return {k: v.placements for k, v in flat.items() if hasattr(v, "placements")}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -256,110 +257,6 @@ class ParallelModel:
 
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-
-
-def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
-    else:
-        out[prefix] = tree
-
-
-def _map_dtensors(
-    tree: Any, fn: Callable[..., Any], like: dict[str, Any] | None = None, prefix: str = ""
-) -> Any:
-    """Apply ``fn`` to every DTensor leaf of a nested state dict (``like``: placements by flat key)."""
-    if isinstance(tree, dict):
-        return {k: _map_dtensors(v, fn, like, f"{prefix}.{k}" if prefix else str(k)) for k, v in tree.items()}
-    if hasattr(tree, "placements"):
-        return fn(tree) if like is None else fn(tree, like.get(prefix))
-    return tree
-
-
-def _unstride(t: Any) -> Any:
-    """DCP can't save ``_StridedShard`` (fused QKV shards): save it as a plain ``Shard(0)`` of the
-    same global tensor."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if any(isinstance(p, _StridedShard) for p in t.placements):
-        plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]
-        return distribute_tensor(t.full_tensor(), t.device_mesh, plain)
-    return t
-
-
-def _restride(t: Any, placements: Any) -> Any:
-    """Inverse of ``_unstride`` after loading: back to the placements training uses."""
-    from torch.distributed.tensor import distribute_tensor
-
-    if placements is None or tuple(t.placements) == tuple(placements):
-        return t
-    return distribute_tensor(t.full_tensor(), t.device_mesh, list(placements))
-
-
-def _zero1_params(pm: ParallelModel) -> dict[str, nn.Parameter]:
-    inner = pm.module.module if hasattr(pm.module, "module") else pm.module  # DDP's wrapped model
-    assert isinstance(inner, nn.Module)
-    return dict(inner.named_parameters())
-
-
-def _zero1_state(pm: ParallelModel) -> dict[str, Any]:
-    """ZeRO-1 optimizer state as {"state": {param name: {key: tensor}}, "param_groups": [...]}.
-
-    Each rank lists only the parameters whose state it owns; DCP merges the ranks' keys, so the
-    checkpoint holds every parameter's state once, under the parameter's name."""
-    local = pm.optimizer.optim  # type: ignore[attr-defined]  # ZeroRedundancyOptimizer's shard
-    if not local.state:
-        _create_optimizer_state(local)  # a fresh model: give DCP the tensors to load into
-    names = {p: n for n, p in _zero1_params(pm).items()}
-    groups = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
-        for g in pm.optimizer.param_groups
-    ]  # the layout get_state_dict gives the other ZeRO stages
-    return {"state": {names[p]: dict(s) for p, s in local.state.items()}, "param_groups": groups}
-
-
-@torch.no_grad()
-def _create_optimizer_state(opt: torch.optim.Optimizer) -> None:
-    """Create an optimizer's per-parameter state without changing any parameter: one step on
-    zero gradients with the learning rate set to 0 (what get_state_dict does for the other stages)."""
-    saved_lrs = [g["lr"] for g in opt.param_groups]
-    for g in opt.param_groups:
-        g["lr"] = 0.0
-        for p in g["params"]:
-            p.grad = torch.zeros_like(p)
-    opt.step()
-    for g, lr in zip(opt.param_groups, saved_lrs, strict=True):
-        g["lr"] = lr
-        for p in g["params"]:
-            p.grad = None
-
-
-def _load_zero1_state(pm: ParallelModel, optim: dict[str, Any]) -> None:
-    local = pm.optimizer.optim  # type: ignore[attr-defined]
-    params = _zero1_params(pm)
-    mine = {p for g in local.param_groups for p in g["params"]}
-    for name, entry in optim["state"].items():
-        if params[name] in mine:
-            local.state[params[name]] = {
-                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()
-            }
-    for group, saved in zip(pm.optimizer.param_groups, optim["param_groups"], strict=True):
-        group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-@contextlib.contextmanager
-def _seeded(seed: int | None) -> Iterator[None]:
-    if seed is None:
-        yield
-        return
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(state)
 
 
 def plan_for_world(
@@ -451,7 +348,9 @@ def parallelize(
     _agree_on_plan(plan)
     kwargs = optimizer_kwargs if optimizer_kwargs is not None else {"lr": 1e-3}
     if st.tp > 1:
-        return _parallelize_tp(model, plan, loss_fn, optimizer_cls, kwargs)
+        from autopar.runtime_tp import parallelize_tp
+
+        return parallelize_tp(model, plan, loss_fn, optimizer_cls, kwargs)
     _apply_recompute(model, plan)
     autocast = None
     # bf16/fp16 plans on fp32 weights: half-precision compute, fp32 master weights and reduction
@@ -493,74 +392,4 @@ def parallelize(
             opt = optimizer_cls(model.parameters(), **kwargs)
     return ParallelModel(
         module=wrapped, optimizer=opt, plan=plan, loss_fn=loss_fn, autocast_dtype=autocast, scaler=scaler
-    )
-
-
-def _dp_placement(param: nn.Parameter) -> Any:
-    """FSDP2's dim for a parameter: not the dim of a fused column shard (``_StridedShard``, which a
-    second shard of the same dim would scramble), else FSDP2's default (dim 0)."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    strided = [p.dim for p in getattr(param, "placements", ()) if isinstance(p, _StridedShard)]
-    if strided and param.dim() > 1:
-        return Shard(1 if strided[0] == 0 else 0)
-    return None
-
-
-def _parallelize_tp(
-    model: nn.Module,
-    plan: Plan,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    optimizer_cls: type[torch.optim.Optimizer],
-    kwargs: dict[str, Any],
-) -> ParallelModel:
-    """tp > 1: the tensor-parallel pass on the (dp, tp) mesh, TP innermost (inside a node).
-
-    The data-parallel axis of a 2-D plan always runs through FSDP2 (composable ``replicate``
-    and DDP do not compose with DTensor parameters): ZeRO 0–2 keep parameters unsharded
-    between forward and backward (``reshard_after_forward=False``), ZeRO 3 reshards them."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autopar.runtime_tp import apply_tensor_parallel
-
-    st = plan.strategy
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (st.dp, st.tp), mesh_dim_names=("dp", "tp"))
-    gm, partial = apply_tensor_parallel(model, plan, mesh["tp"])
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(st.dtype)
-    if next(model.parameters()).dtype != torch.float32:
-        half = None
-    autocast, scaler = None, None
-    if st.dp > 1:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mp = (
-            MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
-            if half
-            else MixedPrecisionPolicy()
-        )
-        fully_shard(
-            gm,
-            mesh=mesh["dp"],
-            reshard_after_forward=st.zero == 3,
-            mp_policy=mp,
-            shard_placement_fn=_dp_placement,
-        )
-    else:
-        autocast = half
-    if st.dtype == "fp16":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler(device=device)
-    opt = optimizer_cls(gm.parameters(), **kwargs)
-    return ParallelModel(
-        module=gm,
-        optimizer=opt,
-        plan=plan,
-        loss_fn=loss_fn,
-        autocast_dtype=autocast,
-        scaler=scaler,
-        partial_grads=[gm.get_parameter(name) for name in partial],  # after FSDP2 replaced them
-        tp_group=mesh["tp"].get_group().group_name,
     )

@@ -3,9 +3,10 @@ strategies on this graph, and apply the tensor-parallel pass on the TP mesh axis
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -14,6 +15,7 @@ from autopar.graph import capture
 from autopar.passes.tensor_parallel import PARTIAL_GRAD, tensor_parallel
 from autopar.passes.tp_rules import OpStrategy, propagate, strategies
 from autopar.plan import Plan
+from autopar.runtime import ParallelModel
 from autopar.tp_choice import layer_nodes, op_keys
 
 DECIDING_NAMES = ("column", "row", "heads", "vocab")
@@ -80,4 +82,72 @@ def apply_tensor_parallel(
     return gm, sorted(k for k, v in placements.items() if v == PARTIAL_GRAD)
 
 
-__all__ = ["apply_tensor_parallel", "resolve_strategies"]
+def dp_placement(param: nn.Parameter) -> Any:
+    """FSDP2's dim for a parameter: not the dim of a fused column shard (``_StridedShard``, which a
+    second shard of the same dim would scramble), else FSDP2's default (dim 0)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = [p.dim for p in getattr(param, "placements", ()) if isinstance(p, _StridedShard)]
+    if strided and param.dim() > 1:
+        return Shard(1 if strided[0] == 0 else 0)
+    return None
+
+
+def parallelize_tp(
+    model: nn.Module,
+    plan: Plan,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    optimizer_cls: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+) -> ParallelModel:
+    """tp > 1: the tensor-parallel pass on the (dp, tp) mesh, TP innermost (inside a node).
+
+    The data-parallel axis of a 2-D plan always runs through FSDP2 (composable ``replicate``
+    and DDP do not compose with DTensor parameters): ZeRO 0–2 keep parameters unsharded
+    between forward and backward (``reshard_after_forward=False``), ZeRO 3 reshards them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    st = plan.strategy
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device, (st.dp, st.tp), mesh_dim_names=("dp", "tp"))
+    gm, partial = apply_tensor_parallel(model, plan, mesh["tp"])
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(st.dtype)
+    if next(model.parameters()).dtype != torch.float32:
+        half = None
+    autocast, scaler = None, None
+    if st.dp > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = (
+            MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+            if half
+            else MixedPrecisionPolicy()
+        )
+        fully_shard(
+            gm,
+            mesh=mesh["dp"],
+            reshard_after_forward=st.zero == 3,
+            mp_policy=mp,
+            shard_placement_fn=dp_placement,
+        )
+    else:
+        autocast = half
+    if st.dtype == "fp16":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device=device)
+    opt = optimizer_cls(gm.parameters(), **kwargs)
+    return ParallelModel(
+        module=gm,
+        optimizer=opt,
+        plan=plan,
+        loss_fn=loss_fn,
+        autocast_dtype=autocast,
+        scaler=scaler,
+        partial_grads=[gm.get_parameter(name) for name in partial],  # after FSDP2 replaced them
+        tp_group=mesh["tp"].get_group().group_name,
+    )
+
+
+__all__ = ["apply_tensor_parallel", "dp_placement", "parallelize_tp", "resolve_strategies"]

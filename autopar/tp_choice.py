@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import pulp
 from torch import fx
 
 from autopar.cluster import Cluster
 from autopar.cost_models.comm import GroupLink, allgather_time_s, allreduce_time_s, group_link
+from autopar.cost_models.profile import ModelProfile
 from autopar.errors import AutoparError
 from autopar.layout_ilp import stdout_silenced
 from autopar.passes.tp_rules import (
@@ -378,6 +380,40 @@ def plan_table(
     return tuple((keys[n.name], choice.strategies[n.name].name, choice.strategies[n.name].out) for n in nodes)
 
 
+def tp_tables(
+    profile: ModelProfile,
+    cluster: Cluster,
+    tp: int,
+    dtype: str,
+    *,
+    sp: bool = False,
+    captured: Any = None,
+) -> tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]:
+    """Per block type, the per-operator TP strategies the intra-layer ILP chooses (empty at tp 1)."""
+    cap = captured if captured is not None else profile.captured  # best: the graph at the plan's b
+    if tp == 1 or cap is None:
+        return ()
+    tables = []
+    done: set[str] = set()
+    for layer in cap.layers[1:-1]:  # blocks, one ILP per block type
+        if layer.type in done:
+            continue
+        done.add(layer.type)
+        if profile.heads and profile.heads % tp:
+            raise AutoparError(
+                f"tp {tp}: no way to split {layer.name}'s attention heads ({profile.heads} heads) "
+                f"{tp} ways; choose a tp that divides the head count"
+            )
+        choice = choose_layer(cap.gm, layer.index, tp, cluster, dtype=dtype, sp=sp)
+        tables.append((layer.type, plan_table(cap.gm, layer.index, layer.name, choice)))
+    # embedding and head together: they may share a weight (tied), which takes one placement
+    first, last = cap.layers[0], cap.layers[-1]
+    ends = choose_layer(cap.gm, (first.index, last.index), tp, cluster, dtype=dtype, sp=sp)
+    for layer in (first, last):
+        tables.append((layer.type, plan_table(cap.gm, layer.index, layer.name, ends)))
+    return tuple(tables)
+
+
 __all__ = [
     "Collective",
     "LayerTP",
@@ -388,4 +424,5 @@ __all__ = [
     "plan_table",
     "reshard",
     "step_collectives",
+    "tp_tables",
 ]
