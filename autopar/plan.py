@@ -15,6 +15,7 @@ from typing import Any
 
 from autopar.cost_models.strategy import Strategy
 from autopar.errors import AutoparError
+from autopar.passes.tp_rules import SHARDING
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +170,7 @@ def _tp_summary(ops: tuple[tuple[str, str, str], ...]) -> list[str]:
     """One entry per sharded module: ``attn.c_attn column``, ``attn heads`` …"""
     seen: dict[str, str] = {}
     for key, name, _ in ops:
-        if name in ("column", "row", "heads", "vocab"):
+        if name in SHARDING:
             seen.setdefault(key.split(":")[0] or "(block)", name)
     return [f"{m} {n}" for m, n in seen.items()]
 

@@ -47,13 +47,47 @@ def lm_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
+def device_type() -> str:
+    """Where this rank computes: ``cuda`` when a GPU is visible, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compute_dtype(model: nn.Module, plan: Plan) -> torch.dtype | None:
+    """bf16/fp16 plans on fp32 weights compute in half precision with fp32 master weights and fp32
+    gradient reduction; None when the plan is fp32 or the weights already are the compute dtype."""
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.strategy.dtype)
+    return half if next(model.parameters()).dtype == torch.float32 else None
+
+
+def fsdp_policy(half: torch.dtype | None) -> Any:
+    """FSDP2's mixed precision for ``compute_dtype``: half-precision parameters, fp32 reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return (
+        MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
+    )
+
+
+def loss_scaler(plan: Plan, *, sharded: bool) -> Any:
+    """fp16 plans: a dynamic loss scaler (``ShardedGradScaler`` where gradients are sharded, so
+    overflow checks agree across shards; else ``GradScaler``: all-reduced gradients overflow
+    alike on every rank). None for bf16/fp32."""
+    if plan.strategy.dtype != "fp16":
+        return None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device_type())
+    return torch.amp.GradScaler(device_type())
+
+
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Join the process group from the torchrun environment if there is none (NCCL on GPUs, gloo else)."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         raise AutoparError("no process group and no torchrun environment: launch with torchrun")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if device_type() == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -140,8 +174,7 @@ class ParallelModel:
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return torch.autocast(device, dtype=self.autocast_dtype)
+        return torch.autocast(device_type(), dtype=self.autocast_dtype)
 
     def train_step(self, batch: torch.Tensor) -> float:
         """Forward, backward over the plan's micro-batches, optimizer step; returns the mean loss
@@ -353,24 +386,13 @@ def parallelize(
         return parallelize_tp(model, plan, loss_fn, optimizer_cls, kwargs)
     _apply_recompute(model, plan)
     autocast = None
-    # bf16/fp16 plans on fp32 weights: half-precision compute, fp32 master weights and reduction
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(st.dtype)
-    if next(model.parameters()).dtype != torch.float32:
-        half = None  # the weights are already in the compute dtype
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    half = compute_dtype(model, plan)
     scaler: Any = None
     if st.zero >= 2:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-        mp = (
-            MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
-            if half is not None
-            else MixedPrecisionPolicy()
-        )
-        if st.dtype == "fp16":
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            scaler = ShardedGradScaler(device=device)  # overflow checks agree across shards
+        mp = fsdp_policy(half)
+        scaler = loss_scaler(plan, sharded=True)
         reshard = st.zero == 3
         for block in _blocks(model, plan):
             fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
@@ -382,8 +404,7 @@ def parallelize(
 
         wrapped = DistributedDataParallel(model)
         autocast = half
-        if st.dtype == "fp16":
-            scaler = torch.amp.GradScaler(device)  # gradients are all-reduced: overflow is seen alike
+        scaler = loss_scaler(plan, sharded=False)
         if st.zero == 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 

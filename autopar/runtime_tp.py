@@ -13,13 +13,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.errors import AutoparError
 from autopar.graph import capture
 from autopar.passes.tensor_parallel import PARTIAL_GRAD, tensor_parallel
-from autopar.passes.tp_rules import OpStrategy, propagate, strategies
+from autopar.passes.tp_rules import SHARDING, OpStrategy, propagate, strategies
 from autopar.plan import Plan
-from autopar.runtime import ParallelModel
+from autopar.runtime import ParallelModel, compute_dtype, device_type, fsdp_policy, loss_scaler
 from autopar.tp_choice import layer_nodes, op_keys
-
-DECIDING_NAMES = ("column", "row", "heads", "vocab")
-"""Strategy names only a deciding operator (linear, attention, embedding) has."""
 
 
 def resolve_strategies(
@@ -44,7 +41,7 @@ def resolve_strategies(
             if want is None:
                 continue
             match = [s for s in strategies(n, t) if (s.name, s.out) == want]
-            if not match and want[0] not in DECIDING_NAMES:
+            if not match and want[0] not in SHARDING:
                 # the plan's graph was traced at another micro-batch, where this reshape had other
                 # shapes (a (b·s, h) view with b = 1): let it follow its inputs instead
                 continue
@@ -56,8 +53,8 @@ def resolve_strategies(
             decided[n.name] = match[0]
         chosen.update(propagate(nodes, decided, t, sp=sp))
         # shape-only no-ops (a contiguous() on an already contiguous tensor) may be traced at one
-        # batch size and not another: only the deciding operators must all be there
-        missing = [k for k, (name, _) in ops.items() if k not in keys.values() and name in DECIDING_NAMES]
+        # batch size and not another: only the operators that split weights or heads must be there
+        missing = [k for k, (name, _) in ops.items() if k not in keys.values() and name in SHARDING]
         if missing:
             raise AutoparError(
                 f"the plan names operators {sorted(missing)[:3]} that layer {layer.name} lacks: "
@@ -109,34 +106,23 @@ def parallelize_tp(
     from torch.distributed.device_mesh import init_device_mesh
 
     st = plan.strategy
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (st.dp, st.tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device_type(), (st.dp, st.tp), mesh_dim_names=("dp", "tp"))
     gm, partial = apply_tensor_parallel(model, plan, mesh["tp"])
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(st.dtype)
-    if next(model.parameters()).dtype != torch.float32:
-        half = None
-    autocast, scaler = None, None
+    half = compute_dtype(model, plan)
+    autocast = None
     if st.dp > 1:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-        mp = (
-            MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
-            if half
-            else MixedPrecisionPolicy()
-        )
         fully_shard(
             gm,
             mesh=mesh["dp"],
             reshard_after_forward=st.zero == 3,
-            mp_policy=mp,
+            mp_policy=fsdp_policy(half),
             shard_placement_fn=dp_placement,
         )
     else:
         autocast = half
-    if st.dtype == "fp16":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler(device=device)
+    scaler = loss_scaler(plan, sharded=True)  # DTensor gradients, sharded over TP
     opt = optimizer_cls(gm.parameters(), **kwargs)
     return ParallelModel(
         module=gm,

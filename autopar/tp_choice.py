@@ -7,10 +7,15 @@ Minimise Σ compute + Σ collectives (forward and backward), the formulation of
 Zheng et al., "Alpa", OSDI'22, §4.1, solved with PuLP + HiGHS:
 
     min  Σ_v Σ_s x[v,s]·(compute(v)·frac(s) + own_comm(v,s))
-       + Σ_(u→v) Σ_(a,b) y[u,v,a,b]·reshard(out(a) → in_v(b))
+       + Σ_(u, p→q) z[u,p,q]·reshard(p → q)
     s.t. Σ_s x[v,s] = 1                           (one strategy per operator)
-         y[u,v,a,b] ≥ x[u,a] + x[v,b] − 1         (edge cost is paid when both are chosen)
+         z[u,p,q] ≥ x[u,a] + x[v,b] − 1           for each consumer v of u with out(a) = p,
+                                                  in_v(b) = q (one conversion per tensor and
+                                                  placement, shared by its consumers, as the
+                                                  pass inserts it)
          x[u,a] + x[v,b] ≤ 1  where reshard = ∞   (no all-to-all between different shard dims)
+         Σ_(s: w(s)=p) x[u,s] = Σ_(s: w(s)=p) x[v,s]  (a weight read by u and v, e.g. tied
+                                                  embedding and head, has one placement p)
          layer outputs leave as the residual stream: replicated, or split over the sequence
          under sequence parallelism (a conversion is priced where an output can't be)
 
@@ -24,7 +29,8 @@ Resharding costs (bytes N of the full tensor, ring collectives of ``cost_models.
 | S → Rf | all-gather N | reduce-scatter N |
 | R → S | – (slice) | all-gather N |
 
-A row-parallel linear all-reduces its own output (Megatron ``g``): all-reduce N forward.
+A row-parallel linear all-reduces its own output (Megatron ``g``): all-reduce N forward (or,
+under sequence parallelism, reduce-scatters it: forward, with an all-gather backward).
 Megatron's block layout (column QKV and first MLP linear, heads-split attention,
 row output and second MLP linear: one all-reduce per sub-block each way) is not
 written anywhere here: it is what these costs select.
@@ -34,7 +40,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
 
 import pulp
 from torch import fx
@@ -43,10 +48,12 @@ from autopar.cluster import Cluster
 from autopar.cost_models.comm import GroupLink, allgather_time_s, allreduce_time_s, group_link
 from autopar.cost_models.profile import ModelProfile
 from autopar.errors import AutoparError
+from autopar.graph import CapturedModel, Layer
 from autopar.layout_ilp import stdout_silenced
 from autopar.passes.tp_rules import (
     LINEAR_ARGS,
     RF,
+    SHARDING,
     OpStrategy,
     R,
     boundary,
@@ -83,7 +90,8 @@ class LayerTP:
     strategies: dict[str, OpStrategy]
     """Graph node name → chosen strategy."""
     modules: dict[str, str]
-    """Owning module (relative to the layer) → strategy name, for the sharded operators."""
+    """Owning module (full name, e.g. ``blocks.0.attn.c_attn``) → strategy name, for the operators
+    whose strategy is in ``tp_rules.SHARDING``."""
     collectives: tuple[Collective, ...]
     time_s: float
     """Predicted compute + communication seconds of the layer (forward + backward)."""
@@ -123,9 +131,7 @@ def reshard(
     else:
         return INFEASIBLE, []
     steps = [st for st in steps if grad or st[1] == "forward"]
-    cost = {"all_reduce": allreduce_time_s(size_bytes, t, link), "all_gather": 0.0, "reduce_scatter": 0.0}
-    cost["all_gather"] = cost["reduce_scatter"] = allgather_time_s(size_bytes, t, link)
-    return sum(cost[k] for k, _ in steps), steps
+    return sum(_ring_s(kind, size_bytes, t, link) for kind, _ in steps), steps
 
 
 def step_collectives(sp: bool) -> list[tuple[str, str]]:
@@ -210,10 +216,15 @@ def _param_placement(s: OpStrategy, n: fx.Node, pos: int) -> str:
     return s.params.get(role, R)
 
 
+def _ring_s(kind: str, size_bytes: int, t: int, link: GroupLink) -> float:
+    """Seconds of one ring collective; all-gather and reduce-scatter cost the same."""
+    if kind == "all_reduce":
+        return allreduce_time_s(size_bytes, t, link)
+    return allgather_time_s(size_bytes, t, link)
+
+
 def _collective_s(c: Collective, t: int, link: GroupLink) -> float:
-    if c.kind == "all_reduce":
-        return allreduce_time_s(c.size_bytes, t, link)
-    return allgather_time_s(c.size_bytes, t, link)  # all-gather and reduce-scatter cost the same
+    return _ring_s(c.kind, c.size_bytes, t, link)
 
 
 def choose_layer(
@@ -322,10 +333,6 @@ def choose_layer(
     return _summarise(nodes, solved, t, link, cluster, dtype, outside, grads, outputs, stream, final)
 
 
-def _by_name(nodes: list[fx.Node], name: str) -> fx.Node:
-    return next(n for n in nodes if n.name == name)
-
-
 def _summarise(
     nodes: list[fx.Node],
     chosen: dict[str, OpStrategy],
@@ -337,7 +344,7 @@ def _summarise(
     grads: set[str],
     outputs: set[str],
     stream: str,
-    final: set[str] | None = None,
+    final: set[str],
 ) -> LayerTP:
     inside = {n.name for n in nodes}
     collectives: list[Collective] = []
@@ -350,7 +357,7 @@ def _summarise(
         own = own_collectives(n, s)
         collectives += own
         total += sum(_collective_s(c, t, link) for c in own)
-        if s.name in ("column", "row", "heads"):
+        if s.name in SHARDING:
             modules[str(n.meta.get("autopar.module", n.name))] = s.name
         for slot, u in enumerate(tensor_args(n)):
             need = s.inputs[slot] if slot < len(s.inputs) else R
@@ -361,7 +368,7 @@ def _summarise(
             c, kinds = reshard(src, need, _bytes(u), t, link, grad=u.name in grads)
             total += c
             collectives += [Collective(kind=k, phase=p, size_bytes=_bytes(u), at=n.name) for k, p in kinds]
-        leave = R if n.name in (final or set()) else stream
+        leave = R if n.name in final else stream
         if n.name in outputs and s.out != leave:  # converted for the next layer (or the model's output)
             c, kinds = reshard(s.out, leave, _bytes(n), t, link, grad=n.name in grads)
             total += c
@@ -380,6 +387,24 @@ def plan_table(
     return tuple((keys[n.name], choice.strategies[n.name].name, choice.strategies[n.name].out) for n in nodes)
 
 
+def layer_choices(
+    cap: CapturedModel, cluster: Cluster, tp: int, dtype: str, *, sp: bool = False
+) -> list[tuple[int, tuple[Layer, ...], LayerTP]]:
+    """Every ILP a model needs, as (times it runs per micro-batch, the layers one solve covers,
+    choice): one per block type (solved on its first block), and one for embedding and head
+    together (they may share a weight, which then takes one placement)."""
+    blocks: dict[str, list[Layer]] = {}
+    for layer in cap.layers[1:-1]:
+        blocks.setdefault(layer.type, []).append(layer)
+    found = [
+        (len(same), (same[0],), choose_layer(cap.gm, same[0].index, tp, cluster, dtype=dtype, sp=sp))
+        for same in blocks.values()
+    ]
+    first, last = cap.layers[0], cap.layers[-1]
+    ends = choose_layer(cap.gm, (first.index, last.index), tp, cluster, dtype=dtype, sp=sp)
+    return [*found, (1, (first, last), ends)]
+
+
 def tp_tables(
     profile: ModelProfile,
     cluster: Cluster,
@@ -387,37 +412,29 @@ def tp_tables(
     dtype: str,
     *,
     sp: bool = False,
-    captured: Any = None,
+    captured: CapturedModel | None = None,
 ) -> tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]:
-    """Per block type, the per-operator TP strategies the intra-layer ILP chooses (empty at tp 1)."""
+    """Per layer type, the per-operator TP strategies the ILPs choose (empty at tp 1)."""
     cap = captured if captured is not None else profile.captured  # best: the graph at the plan's b
     if tp == 1 or cap is None:
         return ()
-    tables = []
-    done: set[str] = set()
-    for layer in cap.layers[1:-1]:  # blocks, one ILP per block type
-        if layer.type in done:
-            continue
-        done.add(layer.type)
-        if profile.heads and profile.heads % tp:
-            raise AutoparError(
-                f"tp {tp}: no way to split {layer.name}'s attention heads ({profile.heads} heads) "
-                f"{tp} ways; choose a tp that divides the head count"
-            )
-        choice = choose_layer(cap.gm, layer.index, tp, cluster, dtype=dtype, sp=sp)
-        tables.append((layer.type, plan_table(cap.gm, layer.index, layer.name, choice)))
-    # embedding and head together: they may share a weight (tied), which takes one placement
-    first, last = cap.layers[0], cap.layers[-1]
-    ends = choose_layer(cap.gm, (first.index, last.index), tp, cluster, dtype=dtype, sp=sp)
-    for layer in (first, last):
-        tables.append((layer.type, plan_table(cap.gm, layer.index, layer.name, ends)))
-    return tuple(tables)
+    if profile.heads and profile.heads % tp:
+        raise AutoparError(
+            f"tp {tp}: no way to split {profile.heads} attention heads {tp} ways; "
+            "choose a tp that divides the head count"
+        )
+    return tuple(
+        (layer.type, plan_table(cap.gm, layer.index, layer.name, choice))
+        for _, layers, choice in layer_choices(cap, cluster, tp, dtype, sp=sp)
+        for layer in layers
+    )
 
 
 __all__ = [
     "Collective",
     "LayerTP",
     "choose_layer",
+    "layer_choices",
     "layer_nodes",
     "needs_grad",
     "op_keys",

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 
 from autopar import Cluster
 from autopar.costing import profile_fn
+from autopar.passes.tp_rules import SHARDING
 from autopar.planner import Constraints, make_plan
 from autopar.runtime import lm_loss, parallelize
 from autopar.zoo.llama import Llama, LlamaConfig
@@ -112,8 +113,7 @@ def main() -> int:
         ),
     ).plan
     print("\n".join(x for x in plan.text().splitlines() if x.startswith("tensor parallel")))
-    sharding = ("column", "row", "heads", "vocab")
-    ends = {t: {k.split(":")[0]: n for k, n, _ in ops if n in sharding} for t, ops in plan.tensor_parallel}
+    ends = {t: {k.split(":")[0]: n for k, n, _ in ops if n in SHARDING} for t, ops in plan.tensor_parallel}
     decided = ends["TransformerBlock"]
     megatron = {m: "column" for m in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1")}
     megatron |= {"feed_forward.w3": "column", "attention.wo": "row", "feed_forward.w2": "row"}

@@ -31,7 +31,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from autopar.passes.tp_rules import RF, OpStrategy, R, fused_chunks, linear_parts, shard_dim, tensor_args
+from autopar.passes.tp_rules import (
+    RESHAPES,
+    RF,
+    OpStrategy,
+    R,
+    cut_dim,
+    fused_chunks,
+    linear_parts,
+    shard_dim,
+    tensor_args,
+)
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -171,7 +181,7 @@ def tp_slice(x: torch.Tensor, dim: int, group: str, rank: int, size: int) -> tor
 # ---- the pass ------------------------------------------------------------------------------
 
 
-def _param_placement(spec: str, split_factor: int) -> Placement:
+def _dtensor_placement(spec: str, split_factor: int) -> Placement:
     if spec.startswith("S") and split_factor > 1:
         return _StridedShard(int(spec[1:]), split_factor=split_factor)
     return Shard(int(spec[1:])) if spec.startswith("S") else Replicate()
@@ -223,9 +233,43 @@ def tensor_parallel(
     converted: dict[tuple[str, str], fx.Node] = {}
     partial_grads: set[str] = set()  # replicated parameters applied to token shards
 
+    def convert(consumer: fx.Node, src: fx.Node, need: str) -> None:
+        """Feed ``consumer`` the tensor ``src`` in placement ``need``: one conversion per (tensor,
+        placement), shared by its consumers (for Megatron's f the consumers' partial gradients add
+        up before the single all-reduce)."""
+        conv = _conversion(out_of.get(src.name, R), need, group, rank, t)
+        if conv is None:
+            return
+        new = converted.get((src.name, need))
+        if new is None:
+            fn, extra = conv
+            with graph.inserting_after(src):
+                new = graph.call_function(fn, (src, *extra))
+            new.meta.update({k: src.meta[k] for k in ("val", "autopar.shape") if k in src.meta})
+            converted[src.name, need] = new
+        consumer.replace_input_with(src, new)
+
+    def reduce_partials(node: fx.Node, s: OpStrategy, bias: fx.Node | None) -> None:
+        """After ``node`` (partial sums): all-reduce, or reduce-scatter over the sequence, then add
+        ``bias`` once; the result replaces ``node`` for its users."""
+        scatter = shard_dim(s.out)
+        with graph.inserting_after(node):
+            if scatter is None:
+                red = graph.call_function(tp_reduce, (node, group))
+            else:  # sequence parallelism: each rank keeps its slice of the sequence
+                red = graph.call_function(tp_reduce_scatter, (node, scatter, group))
+        out = red
+        if bias is not None:
+            with graph.inserting_after(red):
+                out = graph.call_function(aten.add.Tensor, (red, bias))
+        for new in {red, out}:  # same global shape as the operator's output
+            new.meta.update({k: node.meta[k] for k in ("val", "autopar.shape") if k in node.meta})
+            out_of[new.name] = s.out
+        node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not red)
+
     def local_param(node: fx.Node, where: fx.Node, spec: str, split_factor: int = 1) -> fx.Node:
         fqn = str(node.target)
-        _set_param(gm, fqn, mesh, _param_placement(spec, split_factor))
+        _set_param(gm, fqn, mesh, _dtensor_placement(spec, split_factor))
         placements[fqn] = spec if split_factor == 1 else f"{spec}x{split_factor}"
         with graph.inserting_before(where):
             return graph.call_method("to_local", (node,))
@@ -236,20 +280,7 @@ def tensor_parallel(
             continue
         # 1. the inputs: insert the placement change each input needs
         for slot, src in enumerate(tensor_args(node)):
-            have = out_of.get(src.name, R)
-            need = s.inputs[slot] if slot < len(s.inputs) else R
-            conv = _conversion(have, need, group, rank, t)
-            if conv is not None:
-                # one conversion per (tensor, placement), shared by its consumers: for Megatron's f
-                # the consumers' partial gradients add up before the single all-reduce
-                new = converted.get((src.name, need))
-                if new is None:
-                    fn, extra = conv
-                    with graph.inserting_after(src):
-                        new = graph.call_function(fn, (src, *extra))
-                    new.meta.update({k: src.meta[k] for k in ("val", "autopar.shape") if k in src.meta})
-                    converted[src.name, need] = new
-                node.replace_input_with(src, new)
+            convert(node, src, s.inputs[slot] if slot < len(s.inputs) else R)
         # 2. the parameters and shape constants
         if s.name in ("column", "row"):
             x, w, b, transposed = linear_parts(node)
@@ -272,23 +303,10 @@ def tensor_parallel(
                     node.target, node.args = aten.mm.default, (x, lw)
                 else:
                     node.args = (x, lw, None)
-                scatter = shard_dim(s.out)
-                with graph.inserting_after(node):
-                    if scatter is None:
-                        red = graph.call_function(tp_reduce, (node, group))
-                    else:  # sequence parallelism: each rank keeps its slice of the sequence
-                        red = graph.call_function(tp_reduce_scatter, (node, scatter, group))
-                out: fx.Node = red
-                if lb is not None:
-                    if scatter is not None:  # the bias meets a sequence shard: partial gradient
-                        assert isinstance(b, fx.Node)
-                        partial_grads.add(str(b.target))
-                    with graph.inserting_after(red):
-                        out = graph.call_function(aten.add.Tensor, (red, lb))
-                for new in {red, out}:  # same global shape as the linear's output
-                    new.meta.update({k: node.meta[k] for k in ("val", "autopar.shape") if k in node.meta})
-                    out_of[new.name] = s.out
-                node.replace_all_uses_with(out, delete_user_cb=lambda u, red=red: u is not red)
+                if lb is not None and shard_dim(s.out) is not None:
+                    assert isinstance(b, fx.Node)  # the bias meets a sequence shard: partial gradient
+                    partial_grads.add(str(b.target))
+                reduce_partials(node, s, lb)
         if s.name == "vocab":  # vocabulary-parallel lookup: rows outside this rank's range are 0
             w, ids = node.args[0], node.args[1]
             assert isinstance(w, fx.Node)
@@ -296,33 +314,17 @@ def tensor_parallel(
             lw = local_param(w, node, "S0")
             lo, hi = rank * vocab // t, (rank + 1) * vocab // t
             node.target, node.args = vocab_embedding, (lw, ids, lo, hi)
-            scatter = shard_dim(s.out)
-            with graph.inserting_after(node):
-                if scatter is None:
-                    red = graph.call_function(tp_reduce, (node, group))
-                else:
-                    red = graph.call_function(tp_reduce_scatter, (node, scatter, group))
-            red.meta.update({k: node.meta[k] for k in ("val", "autopar.shape") if k in node.meta})
-            out_of[red.name] = s.out
-            node.replace_all_uses_with(red, delete_user_cb=lambda u, red=red: u is not red)
+            reduce_partials(node, s, None)
         if s.reduce_param_grads:
             partial_grads.update(
                 str(a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"
             )
         d = shard_dim(s.out)
-        if (
-            d is not None
-            and node.target
-            in (
-                aten.view.default,
-                aten.reshape.default,
-                aten._unsafe_view.default,
-            )
-        ) or (d is not None and node.target == aten.expand.default):
+        if d is not None and node.target in (*RESHAPES, aten.expand.default):
             node.args = (node.args[0], _divide(node.args[1], d, t), *node.args[2:])
-        elif d is not None and node.target == aten.split.Tensor and _split_dim(node) == d:
+        elif d is not None and node.target == aten.split.Tensor and cut_dim(node) == d:
             node.args = (node.args[0], int(node.args[1]) // t, *node.args[2:])  # type: ignore[call-overload]
-        elif d is not None and node.target == aten.split_with_sizes.default and _split_dim(node) == d:
+        elif d is not None and node.target == aten.split_with_sizes.default and cut_dim(node) == d:
             node.args = (node.args[0], [int(x) // t for x in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
     # operators outside the tensor-parallel layers (the head) take their inputs whole
     for node in list(graph.nodes):
@@ -333,16 +335,8 @@ def tensor_parallel(
             and (node.op == "output" or isinstance(node.meta.get("val"), torch.Tensor | list | tuple))
         ):
             for src in tensor_args(node):
-                have = out_of.get(src.name, R)
-                conv = _conversion(have, R, group, rank, t)
-                if conv is not None and src.name in chosen:
-                    fn, extra = conv
-                    new = converted.get((src.name, R))
-                    if new is None:
-                        with graph.inserting_after(src):
-                            new = graph.call_function(fn, (src, *extra))
-                        converted[src.name, R] = new
-                    node.replace_input_with(src, new)
+                if src.name in chosen:
+                    convert(node, src, R)
     # 3. every parameter the graph still reads whole becomes a replicated DTensor read locally
     for node in list(graph.nodes):
         if node.op == "get_attr" and str(node.target) not in placements and _is_param(gm, str(node.target)):
@@ -364,11 +358,6 @@ def tensor_parallel(
 
 
 _OURS = (tp_copy, tp_reduce, tp_reduce_scatter, tp_gather, tp_slice, tp_chunks, vocab_embedding)
-
-
-def _split_dim(node: fx.Node) -> int:
-    dim = int(node.args[2]) if len(node.args) > 2 else 0  # type: ignore[call-overload]
-    return dim % len(node.meta["val"][0].shape)
 
 
 def _is_param(gm: fx.GraphModule, fqn: str) -> bool:

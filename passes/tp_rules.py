@@ -56,12 +56,14 @@ class OpStrategy:
     reduce-scatter to ``S(1)`` (row-parallel under sequence parallelism)."""
     reduce_param_grads: bool = False
     """The operator runs on a token shard with replicated parameters (a norm under sequence
-    parallelism): their gradients are partial sums, all-reduced in backward."""
+    parallelism): their gradients are partial sums, all-reduced over the TP group once per step."""
     params: dict[str, str] = field(default_factory=dict)
     """Placement of each parameter argument (``weight``/``bias``) when sharded."""
 
 
-RULE_KINDS = ("linear", "embedding", "attention", "follow", "batched_matmul", "reduce_last", "replicate")
+SHARDING = ("column", "row", "heads", "vocab")
+"""Names of the strategies that split an operator's weights or heads (the others replicate or
+follow their inputs): what plans show per module."""
 
 RULES: dict[Any, str] = {
     aten.linear.default: "linear",
@@ -113,6 +115,9 @@ RULES: dict[Any, str] = {
     },
 }
 """ATen operator → rule kind. Anything missing runs replicated."""
+
+
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
@@ -181,7 +186,7 @@ def _in_dim_for(node: fx.Node, src: fx.Node, out_dim: int) -> int | None:
     ins, outs = _shape(src), out_shape(node)
     if ins is None or outs is None:
         return None
-    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+    if target in RESHAPES:
         inverse = {v: k for k, v in view_dim_map(ins, outs).items()}
         return inverse.get(out_dim)
     if target == aten.transpose.int:
@@ -202,7 +207,7 @@ def _in_dim_for(node: fx.Node, src: fx.Node, out_dim: int) -> int | None:
     return k
 
 
-def _cut_dim(node: fx.Node) -> int | None:
+def cut_dim(node: fx.Node) -> int | None:
     """The dim an operator slices or concatenates along (split, slice, cat); else None."""
     if node.target in (
         aten.split.Tensor,
@@ -231,13 +236,10 @@ def linear_parts(node: fx.Node) -> tuple[Any, Any, Any, bool]:
     return args[xi], args[wi], args[bi], transposed
 
 
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
 def _feature_source(node: fx.Node) -> fx.Node | None:
     """Walk back from ``node`` through reshapes that keep the last dim to a linear-kind node."""
     src = node
-    while isinstance(src, fx.Node) and src.target in _RESHAPES:
+    while isinstance(src, fx.Node) and src.target in RESHAPES:
         prev = src.args[0]
         if not isinstance(prev, fx.Node) or (out_shape(prev) or (0,))[-1] != (out_shape(src) or (1,))[-1]:
             return None
@@ -268,7 +270,7 @@ def fused_chunks(node: fx.Node) -> int:
                 width = (out_shape(cur) or (0,))[-1]
                 if dim in (-1, len(out_shape(cur) or ()) - 1):
                     return width // int(u.args[1])  # type: ignore[call-overload]
-            elif u.target in _RESHAPES and _feature_source(u) is node:
+            elif u.target in RESHAPES and _feature_source(u) is node:
                 frontier.append(u)
     return 1
 
@@ -350,7 +352,7 @@ def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
         for d in sharded:
             if kind == "reduce_last" and d == len(shape) - 1:
                 continue  # a reduction over the sharded dim would need the whole dim
-            if d == _cut_dim(node) and not _splits_fused_linear(node):
+            if d == cut_dim(node) and not _splits_fused_linear(node):
                 continue
             need = []
             for a in ins:
@@ -378,15 +380,6 @@ def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
     return found
 
 
-DECIDING_KINDS = ("linear", "embedding", "attention")
-"""Rule kinds whose strategy is a decision (recorded in the plan); every other operator's
-placement follows from its inputs (``propagate``)."""
-
-
-def is_deciding(node: fx.Node) -> bool:
-    return RULES.get(node.target, "replicate") in DECIDING_KINDS
-
-
 def stream_placement(sp: bool) -> str:
     """Placement of the residual stream between layers: whole, or split over the sequence
     (Megatron sequence parallelism, Korthikanti et al. 2022, §4.2.2)."""
@@ -412,9 +405,9 @@ def boundary(nodes: list[fx.Node], sp: bool) -> tuple[dict[str, str], set[str]]:
 def propagate(
     nodes: list[fx.Node], decided: dict[str, OpStrategy], t: int, *, sp: bool = False
 ) -> dict[str, OpStrategy]:
-    """Complete ``decided`` (strategies of the deciding operators) to every node of ``nodes``:
-    a following operator takes the strategy whose input placements equal what its inputs
-    already are (no collective), else runs replicated (its inputs are gathered)."""
+    """Complete ``decided`` (the strategies a plan names) to every node of ``nodes``: any other
+    operator takes the strategy whose input placements equal what its inputs already are (no
+    collective), else runs replicated (its inputs are gathered)."""
     inside = {n.name for n in nodes}
     outside, _ = boundary(nodes, sp)
     out: dict[str, OpStrategy] = {}
@@ -430,17 +423,17 @@ def propagate(
 
 
 __all__ = [
-    "DECIDING_KINDS",
     "LINEAR_ARGS",
+    "RESHAPES",
     "RF",
     "RULES",
-    "RULE_KINDS",
+    "SHARDING",
     "OpStrategy",
     "R",
     "S",
     "boundary",
+    "cut_dim",
     "fused_chunks",
-    "is_deciding",
     "linear_parts",
     "propagate",
     "shard_dim",

@@ -64,6 +64,7 @@ def test_megatron_layout_emerges_for_gpt(tp: int) -> None:
         needs_grad(cap.gm),
         boundary(nodes, False)[1],
         "R",
+        set(),  # a block feeds no model output
     )
     assert (
         sorted((c.kind, c.phase) for c in pure.collectives if c.kind == "all_reduce")

@@ -9,10 +9,10 @@ import torch.multiprocessing as mp
 
 from autopar import Cluster
 from autopar.costing import profile_fn
+from autopar.passes.tp_rules import SHARDING
 from autopar.plan import Plan
 from autopar.planner import Constraints, make_plan
-from autopar.runtime_tp import DECIDING_NAMES as SHARDING
-from autopar.tp_choice import choose_layer, step_collectives
+from autopar.tp_choice import layer_choices, step_collectives
 from autopar.verify import dp_worker, run_reference
 from autopar.zoo import GPT, GPTConfig
 from autopar.zoo.llama import Llama, LlamaConfig
@@ -51,9 +51,16 @@ def _plan(make, *, tp: int, dp: int, zero: int = 0, sp: bool = False) -> Plan:
     ).plan
 
 
-def _run(make, plans: list[Plan], world: int, tmp_path, optimizer: str = "sgd"):
+def _sharded(plan: Plan, ltype: str | None = None) -> dict[str, str]:
+    """Module → strategy for the operators of a layer type that split weights or heads (the
+    first layer type, a block, by default)."""
+    ops = dict(plan.tensor_parallel)[ltype] if ltype else plan.tensor_parallel[0][1]
+    return {k.split(":")[0]: n for k, n, _ in ops if n in SHARDING}
+
+
+def _run(make, plans: list[Plan], world: int, tmp_path, optimizer: str = "sgd", vocab: int = 64):
     torch.manual_seed(1)
-    data = torch.randint(0, 64, (STEPS, BATCH, SEQ))
+    data = torch.randint(0, vocab, (STEPS, BATCH, SEQ))
     out = tmp_path / f"tp{world}.pt"
     args = (world, f"file://{tmp_path / 'init'}", make, [p.to_json() for p in plans], data, STEPS, str(out))
     mp.spawn(dp_worker, args=(*args, None, optimizer), nprocs=world, join=True)
@@ -79,8 +86,7 @@ def world2(tmp_path_factory):
 
 def test_megatron_plan_for_the_gpt(world2) -> None:
     (plan, sp_plan), _ = world2
-    ops = dict(plan.tensor_parallel)["Block"]
-    decided = {k.split(":")[0]: n for k, n, _ in ops if n in SHARDING}
+    decided = _sharded(plan, "Block")
     assert decided == {
         "attn.c_attn": "column",
         "attn": "heads",
@@ -101,26 +107,19 @@ def test_tp2_gpt_matches_single_process(world2, index: int) -> None:
 
 
 def _predicted_counts(make, plan: Plan) -> dict[str, int]:
-    """Collectives per step the plan's per-layer choice predicts: per block × blocks ×
-    micro-batches, plus the model-boundary ones under sequence parallelism."""
+    """Collectives per step the plan's per-layer choices predict: each ILP's collectives × the
+    layers it stands for × micro-batches, plus the once-per-step ones."""
+    st = plan.strategy
     with torch.device("meta"):
         meta = make()
-    cap = profile_fn(meta, dtype="fp32", seq=SEQ)(plan.strategy.micro_batch).captured
-    assert cap is not None
-    st = plan.strategy
+    cap = profile_fn(meta, dtype="fp32", seq=SEQ).captured(st.micro_batch)
     names = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor"}
     names["reduce_scatter"] = "reduce_scatter_tensor"
     counts: dict[str, int] = {}
     cluster = Cluster.from_dict(plan.cluster)
-    sp = st.sequence_parallel
-    choices = [
-        choose_layer(cap.gm, layer.index, st.tp, cluster, dtype="fp32", sp=sp) for layer in cap.layers[1:-1]
-    ]
-    ends = (cap.layers[0].index, cap.layers[-1].index)  # embedding and head, solved together
-    choices.append(choose_layer(cap.gm, ends, st.tp, cluster, dtype="fp32", sp=sp))
-    for choice in choices:
+    for repeats, _, choice in layer_choices(cap, cluster, st.tp, "fp32", sp=st.sequence_parallel):
         for c in choice.collectives:
-            counts[names[c.kind]] = counts.get(names[c.kind], 0) + st.micro_batches
+            counts[names[c.kind]] = counts.get(names[c.kind], 0) + repeats * st.micro_batches
     for kind, _ in step_collectives(st.sequence_parallel):
         counts[names[kind]] = counts.get(names[kind], 0) + 1
     return counts
@@ -137,7 +136,9 @@ def test_collectives_counted_match_the_plan(world2, index: int) -> None:
 
 def test_tp4_and_tp2_by_dp2_zero3(tmp_path) -> None:
     plans = [_plan(make_gpt, tp=4, dp=1), _plan(make_gpt, tp=2, dp=2, zero=3, sp=True)]
-    assert all(p.tensor_parallel and p.tensor_parallel[0][1] for p in plans)  # really sharded
+    for plan in plans:  # really sharded: Megatron's layout, not everything replicated
+        block = _sharded(plan, "Block")
+        assert block["attn.c_attn"] == "column" and block["mlp.c_proj"] == "row", block
     data, results = _run(make_gpt, plans, 4, tmp_path)
     for plan, got in zip(plans, results, strict=True):
         gap, worst = _check(make_gpt, data, got)
@@ -148,9 +149,7 @@ def test_tp4_and_tp2_by_dp2_zero3(tmp_path) -> None:
 
 def test_tp2_llama_gqa_rope_sequence_parallel(tmp_path) -> None:
     plan = _plan(make_llama, tp=2, dp=1, sp=True)
-    decided = {
-        k.split(":")[0]: n for k, n, _ in plan.tensor_parallel[0][1] if n in ("column", "row", "heads")
-    }
+    decided = _sharded(plan)
     assert decided.get("attention.wk") == "column" and decided.get("feed_forward.w2") == "row", decided
     data, results = _run(make_llama, [plan], 2, tmp_path)
     gap, worst = _check(make_llama, data, results[0])
@@ -197,9 +196,7 @@ def test_tp2_hugging_face_models_unmodified(make, tmp_path) -> None:
     """GPT-2's Conv1D (addmm with (in, out) weights, fused QKV behind a view, heads as -1 in views)
     and Llama's separate projections with GQA and RoPE, from transformers as published."""
     plan = _plan(make, tp=2, dp=1)
-    decided = {
-        k.split(":")[0]: n for k, n, _ in plan.tensor_parallel[0][1] if n in ("column", "row", "heads")
-    }
+    decided = _sharded(plan)
     assert "column" in decided.values() and "row" in decided.values() and "heads" in decided.values(), decided
     data, results = _run(make, [plan], 2, tmp_path)
     gap, worst = _check(make, data, results[0])
@@ -219,25 +216,9 @@ def test_vocab_parallel_embedding_and_head_tied(tmp_path) -> None:
     placement for the shared weight; the logits are gathered for the loss. With and without SP."""
     plans = [_plan(make_gpt_big_vocab, tp=2, dp=1), _plan(make_gpt_big_vocab, tp=2, dp=1, sp=True)]
     for plan in plans:
-        ends = {
-            ltype: {k.split(":")[0]: n for k, n, _ in ops if n in SHARDING}
-            for ltype, ops in plan.tensor_parallel
-        }
-        assert ends["embed"] == {"wte": "vocab"} and ends["head"] == {"lm_head": "column"}, ends
-    torch.manual_seed(1)
-    data = torch.randint(0, VOCAB_CFG.vocab_size, (STEPS, BATCH, SEQ))
-    out = tmp_path / "vocab.pt"
-    args = (
-        2,
-        f"file://{tmp_path / 'init'}",
-        make_gpt_big_vocab,
-        [p.to_json() for p in plans],
-        data,
-        STEPS,
-        str(out),
-    )
-    mp.spawn(dp_worker, args=(*args, None, "sgd"), nprocs=2, join=True)
-    for plan, got in zip(plans, torch.load(out), strict=True):
+        assert _sharded(plan, "embed") == {"wte": "vocab"} and _sharded(plan, "head") == {"lm_head": "column"}
+    data, results = _run(make_gpt_big_vocab, plans, 2, tmp_path, vocab=VOCAB_CFG.vocab_size)
+    for plan, got in zip(plans, results, strict=True):
         gap, worst = _check(make_gpt_big_vocab, data, got)
         assert got["collectives"] == _predicted_counts(make_gpt_big_vocab, plan)
         sp = " SP" if plan.strategy.sequence_parallel else ""
