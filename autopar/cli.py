@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="module:fn or file.py:fn taking (model output, tokens) → scalar (default next-token CE)",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "sgd"],
+        default="adamw",
+        help="adamw (default) or sgd: a parameter difference is then lr × a gradient difference "
+        "(Adam's normalised step turns rounding in near-zero gradients into ±lr moves)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
     p = sub.add_parser("models", help="list the built-in models")

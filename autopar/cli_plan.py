@@ -250,11 +250,6 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
             raise AutoparError(f"can't read plan {args.plan!r}: {e}") from None
     else:
         cluster = Cluster.load(args.cluster, gpus_per_node=args.nproc)
-        # what the runtime executes today: no pipelines yet; TP without recomputation
-        args.tp = 1 if args.tp is None else args.tp
-        args.pp = 1 if args.pp is None else args.pp
-        if args.tp > 1 and args.recompute == RECOMPUTE_DEFAULT:
-            args.recompute = "none"
         constraints = constraints_from_args(args)
         plan = make_plan(
             args.model,
@@ -272,13 +267,20 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
 
         resolve_loss(args.loss)  # a bad --loss is a user error here, not in every worker
     report = verify_plan(
-        args.model, plan, nproc=args.nproc, steps=args.steps, vocab=vocab, loss_spec=args.loss
+        args.model,
+        plan,
+        nproc=args.nproc,
+        steps=args.steps,
+        vocab=vocab,
+        loss_spec=args.loss,
+        optimizer=args.optimizer,
     )
     if args.json:
         print(
             json.dumps(
                 {
                     "plan": plan.strategy.to_dict(),
+                    "stages": [list(stage.layers) for stage in plan.stages],
                     "losses": report.losses,
                     "reference_losses": report.reference_losses,
                     "max_loss_diff": report.max_loss_diff,

@@ -129,8 +129,63 @@ def _blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
     return [model.get_submodule(n) for n in names]
 
 
+def agree_on_batch(batch: torch.Tensor, st: Any) -> None:
+    """Every rank checks every rank's batch size first: a wrong batch on one rank is an error on
+    every rank, not a hang in the other ranks' collectives."""
+    expected = st.global_batch // st.dp
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([batch.shape[0]]))
+    bad = [(rank, int(n)) for rank, n in enumerate(sizes) if int(n) != expected]
+    if bad:
+        rank, n = bad[0]
+        raise AutoparError(
+            f"rank {rank}'s batch has {n} sequences but the plan gives each of its {st.dp} "
+            f"data-parallel ranks {expected} (global batch {st.global_batch})"
+        )
+
+
+@torch.no_grad()
+def reduce_partial_grads(params: list[nn.Parameter], group: Any) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one bucketed all-reduce (TP-partial
+    gradients under sequence parallelism; a tied weight's gradients on several pipeline ranks)."""
+    import torch.distributed._functional_collectives as funcol
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    flat = funcol.wait_tensor(funcol.all_reduce(torch.cat([x.reshape(-1) for x in local]), "sum", group))
+    offset = 0
+    for x in local:
+        x.copy_(flat[offset : offset + x.numel()].view_as(x))
+        offset += x.numel()
+
+
+class PlacedModel:
+    """What the data/tensor-parallel and the pipeline runtimes share."""
+
+    plan: Plan
+    autocast_dtype: torch.dtype | None
+
+    @property
+    def micro_batches(self) -> int:
+        return self.plan.strategy.micro_batches
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: pipeline and TP ranks of one replica share data
+        (mesh (pp, dp, tp), TP innermost)."""
+        st = self.plan.strategy
+        return (dist.get_rank() // st.tp) % st.dp
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type(), dtype=self.autocast_dtype)
+
+
 @dataclass
-class ParallelModel:
+class ParallelModel(PlacedModel):
     """A model placed by a plan; ``train_step`` runs one optimizer step on this rank's data."""
 
     module: nn.Module
@@ -151,16 +206,6 @@ class ParallelModel:
     tp_group: Any = ""
     """Name of this rank's TP process group."""
 
-    @property
-    def micro_batches(self) -> int:
-        return self.plan.strategy.micro_batches
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel index: ranks in one TP group share data (TP innermost)."""
-        st = self.plan.strategy
-        return (dist.get_rank() // st.tp) % st.dp
-
     def _sync(self, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         from torch.distributed.fsdp import FSDPModule
         from torch.nn.parallel import DistributedDataParallel
@@ -171,27 +216,11 @@ class ParallelModel:
             return self.module.no_sync()
         return contextlib.nullcontext()
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type(), dtype=self.autocast_dtype)
-
     def train_step(self, batch: torch.Tensor) -> float:
         """Forward, backward over the plan's micro-batches, optimizer step; returns the mean loss
         over all data-parallel ranks. ``batch`` is this rank's share: global batch / dp rows."""
         st = self.plan.strategy
-        expected = st.global_batch // st.dp
-        # Agree on the batch sizes first: a wrong batch on one rank is an error on every rank,
-        # not a hang in the other ranks' gradient all-reduce.
-        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-        dist.all_gather(sizes, torch.tensor([batch.shape[0]]))
-        bad = [(rank, int(n)) for rank, n in enumerate(sizes) if int(n) != expected]
-        if bad:
-            rank, n = bad[0]
-            raise AutoparError(
-                f"rank {rank}'s batch has {n} sequences but the plan gives each of its {st.dp} "
-                f"data-parallel ranks {expected} (global batch {st.global_batch})"
-            )
+        agree_on_batch(batch, st)
         total = torch.zeros((), dtype=torch.float32)
         for i, micro in enumerate(batch.split(st.micro_batch)):
             with self._sync(i == self.micro_batches - 1), self._autocast():
@@ -203,7 +232,7 @@ class ParallelModel:
                     scaled = self.scaler.scale(scaled)
                 scaled.backward()
             total += loss.detach().float()
-        self._reduce_partial_grads()
+        reduce_partial_grads(self.partial_grads, self.tp_group)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skipped when a gradient overflowed; then the scale halves
             self.scaler.update()
@@ -213,23 +242,6 @@ class ParallelModel:
         mean = total / self.micro_batches
         dist.all_reduce(mean)  # SUM: gloo has no AVG
         return float(mean) / dist.get_world_size()
-
-    @torch.no_grad()
-    def _reduce_partial_grads(self) -> None:
-        """Sum the partial gradients of ``partial_grads`` over the TP group: one all-reduce."""
-        import torch.distributed._functional_collectives as funcol
-
-        grads = [p.grad for p in self.partial_grads if p.grad is not None]
-        if not grads:
-            return
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        flat = funcol.wait_tensor(
-            funcol.all_reduce(torch.cat([x.reshape(-1) for x in local]), "sum", self.tp_group)
-        )
-        offset = 0
-        for x in local:
-            x.copy_(flat[offset : offset + x.numel()].view_as(x))
-            offset += x.numel()
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> float:
@@ -330,13 +342,9 @@ def plan_for_world(
 def check_runnable(plan: Plan) -> None:
     """Raise a clear error for a plan this runtime cannot execute (before any process starts)."""
     st = plan.strategy
-    if st.pp != 1:
+    if st.pp > 1 and st.dtype == "fp16":
         raise AutoparError(
-            f"this runtime executes plans with pp = 1 (pipelines come next); the plan has pp {st.pp}"
-        )
-    if st.tp > 1 and any(r != "none" for s in plan.stages for _, r in s.recompute):
-        raise AutoparError(
-            "tensor-parallel plans run without activation recomputation for now; plan with --recompute none"
+            "fp16 loss scaling does not run under pipeline schedules yet; plan pipelines with --dtype bf16"
         )
 
 
@@ -380,6 +388,10 @@ def parallelize(
         )
     _agree_on_plan(plan)
     kwargs = optimizer_kwargs if optimizer_kwargs is not None else {"lr": 1e-3}
+    if st.pp > 1:
+        from autopar.runtime_pp import parallelize_pp
+
+        return parallelize_pp(model, plan, loss_fn, optimizer_cls, kwargs)  # type: ignore[return-value]
     if st.tp > 1:
         from autopar.runtime_tp import parallelize_tp
 

@@ -11,11 +11,11 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import AutoparError
-from autopar.graph import capture
+from autopar.graph import CapturedModel, capture
 from autopar.passes.tensor_parallel import PARTIAL_GRAD, tensor_parallel
 from autopar.passes.tp_rules import SHARDING, OpStrategy, propagate, strategies
 from autopar.plan import Plan
-from autopar.runtime import ParallelModel, compute_dtype, device_type, fsdp_policy, loss_scaler
+from autopar.runtime import ParallelModel, compute_dtype, device_type, loss_scaler
 from autopar.tp_choice import layer_nodes, op_keys
 
 
@@ -63,16 +63,15 @@ def resolve_strategies(
     return chosen
 
 
-def apply_tensor_parallel(
-    model: nn.Module, plan: Plan, tp_mesh: DeviceMesh
+def tensor_parallel_captured(
+    captured: CapturedModel, plan: Plan, tp_mesh: DeviceMesh
 ) -> tuple[fx.GraphModule, list[str]]:
-    """Capture ``model`` at the plan's micro-batch shape and rewrite it for ``tp_mesh``.
+    """Rewrite a capture of the model (at the plan's micro-batch shape) for ``tp_mesh``.
 
     The returned GraphModule runs on the model's own parameters, now DTensors on the TP axis
     (the model object shares them, so its state_dict names are unchanged). Also returns the
     names of the parameters whose gradients are partial over the TP group (``PARTIAL_GRAD``)."""
     st = plan.strategy
-    captured = capture(model, batch=st.micro_batch, seq=st.seq)
     table = {ltype: {key: (name, out) for key, name, out in ops} for ltype, ops in plan.tensor_parallel}
     chosen = resolve_strategies(captured.gm, captured.layers, table, st.tp, sp=st.sequence_parallel)
     gm, placements = tensor_parallel(captured.gm, chosen, tp_mesh)
@@ -100,30 +99,33 @@ def parallelize_tp(
 ) -> ParallelModel:
     """tp > 1: the tensor-parallel pass on the (dp, tp) mesh, TP innermost (inside a node).
 
-    The data-parallel axis of a 2-D plan always runs through FSDP2 (composable ``replicate``
-    and DDP do not compose with DTensor parameters): ZeRO 0–2 keep parameters unsharded
-    between forward and backward (``reshard_after_forward=False``), ZeRO 3 reshards them."""
+    Blocks are outlined into submodules at their original paths, so the plan's per-block
+    recomputation applies and FSDP2 shards block by block. The data-parallel axis of a 2-D
+    plan always runs through FSDP2 (composable ``replicate`` and DDP do not compose with
+    DTensor parameters): ZeRO 0–2 keep parameters unsharded between forward and backward
+    (``reshard_after_forward=False``), ZeRO 3 reshards them."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.passes.pipeline_split import fill_layers, outline_blocks
+    from autopar.runtime_pp import fqn, recompute_blocks, shard_over_dp
 
     st = plan.strategy
     mesh = init_device_mesh(device_type(), (st.dp, st.tp), mesh_dim_names=("dp", "tp"))
-    gm, partial = apply_tensor_parallel(model, plan, mesh["tp"])
+    captured = capture(model, batch=st.micro_batch, seq=st.seq)
+    gm, partial = tensor_parallel_captured(captured, plan, mesh["tp"])
+    # blocks become submodules at their own paths: FSDP2 shards them, checkpoint_wrapper recomputes
+    names = [layer.name for layer in captured.layers]
+    choices = {name: r for s in plan.stages for name, r in s.recompute}
+    gm = recompute_blocks(outline_blocks(fill_layers(gm), names), choices)
     half = compute_dtype(model, plan)
     autocast = None
     if st.dp > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(
-            gm,
-            mesh=mesh["dp"],
-            reshard_after_forward=st.zero == 3,
-            mp_policy=fsdp_policy(half),
-            shard_placement_fn=dp_placement,
-        )
+        shard_over_dp(gm, plan, mesh["dp"], half)
     else:
         autocast = half
     scaler = loss_scaler(plan, sharded=True)  # DTensor gradients, sharded over TP
     opt = optimizer_cls(gm.parameters(), **kwargs)
+    params = {fqn(n): p for n, p in gm.named_parameters()}
     return ParallelModel(
         module=gm,
         optimizer=opt,
@@ -131,9 +133,9 @@ def parallelize_tp(
         loss_fn=loss_fn,
         autocast_dtype=autocast,
         scaler=scaler,
-        partial_grads=[gm.get_parameter(name) for name in partial],  # after FSDP2 replaced them
+        partial_grads=[params[name] for name in partial],  # after FSDP2 replaced them
         tp_group=mesh["tp"].get_group().group_name,
     )
 
 
-__all__ = ["apply_tensor_parallel", "dp_placement", "parallelize_tp", "resolve_strategies"]
+__all__ = ["dp_placement", "parallelize_tp", "resolve_strategies", "tensor_parallel_captured"]

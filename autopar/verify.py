@@ -158,6 +158,41 @@ def _checkpoint_round_trip(
     return all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+def spawn_plans(
+    make_model: Callable[[], nn.Module],
+    plans: list[Plan],
+    data: torch.Tensor,
+    tmp: str,
+    *,
+    loss_spec: str | None = None,
+    optimizer: str = "adamw",
+) -> list[dict[str, Any]]:
+    """Run every plan (same world size) on local gloo processes, one launch; rank 0's results."""
+    import torch.multiprocessing as mp
+
+    world = plans[0].strategy.world_size
+    assert all(p.strategy.world_size == world for p in plans), "one launch runs one world size"
+    out = f"{tmp}/results.pt"
+    args = (world, f"file://{tmp}/init", make_model, [p.to_json() for p in plans], data, data.shape[0], out)
+    mp.spawn(dp_worker, args=(*args, loss_spec, optimizer), nprocs=world, join=True)
+    results: list[dict[str, Any]] = torch.load(out)
+    return results
+
+
+def compare(
+    reference: tuple[list[float], dict[str, torch.Tensor]], result: dict[str, Any]
+) -> tuple[float, float]:
+    """(largest loss difference over the steps, largest parameter difference) against
+    ``run_reference``'s output; every reference parameter must be in the result."""
+    ref_losses, ref_state = reference
+    gap = max(abs(a - b) for a, b in zip(result["losses"], ref_losses, strict=True))
+    missing = sorted(set(ref_state) - set(result["state"]))
+    if missing:
+        raise AutoparError(f"the distributed run returned no {missing[0]!r}")
+    worst = max((result["state"][k] - v).abs().max().item() for k, v in ref_state.items())
+    return gap, worst
+
+
 def build_model(spec: str, seed: int = 0) -> nn.Module:
     """MODEL ``spec`` with real fp32 weights on the CPU, seeded (the same on every rank)."""
     from autopar import zoo
@@ -192,13 +227,19 @@ class VerifyReport:
 
 
 def verify_plan(
-    spec: str, plan: Plan, *, nproc: int, steps: int, vocab: int, loss_spec: str | None = None
+    spec: str,
+    plan: Plan,
+    *,
+    nproc: int,
+    steps: int,
+    vocab: int,
+    loss_spec: str | None = None,
+    optimizer: str = "adamw",
 ) -> VerifyReport:
-    """Run ``plan`` on ``nproc`` local gloo processes and the single-process reference."""
+    """Run ``plan`` on ``nproc`` local gloo processes and the single-process reference, both
+    with ``optimizer`` (``OPTIMIZERS``)."""
     import functools
     import tempfile
-
-    import torch.multiprocessing as mp
 
     st = plan.strategy
     if st.world_size != nproc:
@@ -209,23 +250,14 @@ def verify_plan(
         0, vocab, (steps, st.global_batch, st.seq), generator=torch.Generator().manual_seed(1)
     )
     with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/results.pt"
-        mp.spawn(
-            dp_worker,
-            args=(nproc, f"file://{tmp}/init", make, [plan.to_json()], data, steps, out, loss_spec),
-            nprocs=nproc,
-            join=True,
-        )
-        result = torch.load(out)[0]
-    ref_losses, ref_state = run_reference(make, data, steps, loss_spec)
-    diff = max(
-        (result["state"][k] - v).abs().max().item() for k, v in ref_state.items() if k in result["state"]
-    )
+        result = spawn_plans(make, [plan], data, tmp, loss_spec=loss_spec, optimizer=optimizer)[0]
+    reference = run_reference(make, data, steps, loss_spec, optimizer=optimizer)
+    _, diff = compare(reference, result)
     # fp32: gradient averages are re-associated across ranks and micro-batches; bf16 rounds them
     loose = st.dtype != "fp32"
     return VerifyReport(
         losses=result["losses"],
-        reference_losses=ref_losses,
+        reference_losses=reference[0],
         max_param_diff=diff,
         loss_tolerance=5e-2 if loose else 1e-4,
         param_tolerance=5e-2 if loose else 1e-3,

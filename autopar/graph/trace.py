@@ -16,6 +16,7 @@ the output of a layer two back — we fall back to tracing the whole model.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
@@ -94,7 +95,20 @@ def _to_graph_module(model: nn.Module, ep: ExportedProgram) -> fx.GraphModule:
             new = graph.node_copy(node, lambda n: env[n])
         env[node] = new
     holder = _ConstantHolder(model, constants)
-    gm = fx.GraphModule(holder, graph, class_name=type(model).__name__ + "Graph")
+    gm = graph_module(holder, graph, type(model).__name__ + "Graph")
+    return gm
+
+
+def graph_module(root: nn.Module, graph: fx.Graph, name: str) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)``, keeping which of root's buffers are non-persistent (the
+    constructor re-registers every buffer as persistent)."""
+    gm = fx.GraphModule(root, graph, class_name=name)
+    for path, mod in root.named_modules():
+        for buf in mod._non_persistent_buffers_set:
+            target = f"{path}.{buf}" if path else buf
+            owner, _, attr = target.rpartition(".")
+            with contextlib.suppress(AttributeError):  # not read by the graph: not copied
+                gm.get_submodule(owner)._non_persistent_buffers_set.add(attr)
     gm.graph.lint()
     return gm
 
@@ -107,6 +121,7 @@ class _ConstantHolder(nn.Module):
         self._modules.update(model._modules)
         self._parameters.update(model._parameters)
         self._buffers.update(model._buffers)
+        self._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
         for name, value in constants.items():
             setattr(self, name, value)
 
@@ -299,7 +314,7 @@ def expand_repeated(gm: fx.GraphModule, rb: RepeatedBlocks, root: nn.Module) -> 
                 if seg.get(a) in (0, 1):
                     raise NotPeriodic(f"the output reads {a.name} from an early block")
         env[n] = graph.node_copy(n, env.__getitem__)
-    new_gm = fx.GraphModule(root, graph, class_name=gm.__class__.__name__)
+    new_gm = graph_module(root, graph, gm.__class__.__name__)
     new_gm.graph.lint()
     return new_gm
 

@@ -155,8 +155,8 @@ def test_verify_cli_bad_plans_exit_2(capsys, tmp_path) -> None:
     good.write_text(_plan(0, 4, "none"))
     assert main(["verify", f"{path}:tiny", "--plan", str(good), "--nproc", "3"]) == 2
     assert "the plan is for 2 processes but --nproc is 3" in capsys.readouterr().err
-    assert main(["verify", f"{path}:tiny", "--pp", "2"]) == 2  # refused before any process starts
-    assert "this runtime executes plans with pp = 1" in capsys.readouterr().err
+    assert main(["verify", f"{path}:tiny", "--pp", "2", "--dtype", "fp16"]) == 2  # before any process starts
+    assert "fp16 loss scaling does not run under pipeline schedules" in capsys.readouterr().err
     assert main(["verify", f"{path}:tiny", "--recompute", "bogus"]) == 2
     assert "--recompute takes a comma-separated subset" in capsys.readouterr().err
 

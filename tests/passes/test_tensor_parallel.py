@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -14,7 +16,7 @@ from autopar.plan import Plan
 from autopar.planner import Constraints, make_plan
 from autopar.tp_choice import layer_choices, step_collectives
 from autopar.verify import dp_worker, run_reference
-from autopar.zoo import GPT, GPTConfig
+from autopar.zoo import GPT, GPTConfig, hf
 from autopar.zoo.llama import Llama, LlamaConfig
 
 STEPS, BATCH, SEQ = 2, 8, 16
@@ -34,11 +36,11 @@ def make_llama() -> torch.nn.Module:
     return Llama(LLAMA_CFG)
 
 
-def _plan(make, *, tp: int, dp: int, zero: int = 0, sp: bool = False) -> Plan:
+def _plan(make, *, tp: int, dp: int, zero: int = 0, sp: bool = False, recompute: str = "none") -> Plan:
     with torch.device("meta"):
         meta = make()
     cons = Constraints(
-        tp=tp, pp=1, dp=dp, zero=zero, micro_batch=2, recompute=("none",), sequence_parallel=sp
+        tp=tp, pp=1, dp=dp, zero=zero, micro_batch=2, recompute=(recompute,), sequence_parallel=sp
     )
     return make_plan(
         "tiny",
@@ -81,11 +83,14 @@ def _check(make, data, got, optimizer: str = "sgd") -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     plans = [_plan(make_gpt, tp=2, dp=1), _plan(make_gpt, tp=2, dp=1, sp=True)]
+    # blocks are outlined into submodules, so TP plans recompute like any other
+    plans += [_plan(make_gpt, tp=2, dp=1, sp=True, recompute="full")]
+    plans += [_plan(make_gpt, tp=2, dp=1, recompute="selective")]
     return plans, _run(make_gpt, plans, 2, tmp_path_factory.mktemp("tp2"))
 
 
 def test_megatron_plan_for_the_gpt(world2) -> None:
-    (plan, sp_plan), _ = world2
+    (plan, sp_plan, *_), _ = world2
     decided = _sharded(plan, "Block")
     assert decided == {
         "attn.c_attn": "column",
@@ -99,11 +104,15 @@ def test_megatron_plan_for_the_gpt(world2) -> None:
     assert rows == {"attn.c_proj": "S1", "mlp.c_proj": "S1"}
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["tp2", "tp2-sp"])
+@pytest.mark.parametrize(
+    "index", [0, 1, 2, 3], ids=["tp2", "tp2-sp", "tp2-sp-full-recompute", "tp2-selective-recompute"]
+)
 def test_tp2_gpt_matches_single_process(world2, index: int) -> None:
-    _, (data, results) = world2
+    plans, (data, results) = world2
     gap, worst = _check(make_gpt, data, results[index])
-    print(f"TP2 GPT {'SP' if index else ''}: max loss diff {gap:.1e}, max parameter diff (SGD) {worst:.1e}")
+    st = plans[index].strategy
+    what = f"SP {st.sequence_parallel}, recompute {plans[index].stages[0].recompute_summary}"
+    print(f"TP2 GPT ({what}): max loss diff {gap:.1e}, max parameter diff (SGD) {worst:.1e}")
 
 
 def _predicted_counts(make, plan: Plan) -> dict[str, int]:
@@ -157,38 +166,8 @@ def test_tp2_llama_gqa_rope_sequence_parallel(tmp_path) -> None:
     print(f"TP2 SP Llama (GQA 8/4 heads, RoPE): max loss diff {gap:.1e}, parameter diff {worst:.1e}")
 
 
-def make_hf_gpt2() -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=2,
-        n_embd=256,
-        n_head=4,
-        vocab_size=64,
-        n_positions=SEQ,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return GPT2LMHeadModel(cfg)
-
-
-def make_hf_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = HFLlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=64,
-        max_position_embeddings=SEQ,
-    )
-    return LlamaForCausalLM(cfg)
+make_hf_gpt2 = functools.partial(hf.gpt2, width=256, seq=SEQ)
+make_hf_llama = functools.partial(hf.llama, width=256, heads=8, kv_heads=4, ffn=512, seq=SEQ)
 
 
 @pytest.mark.parametrize("make", [make_hf_gpt2, make_hf_llama], ids=["hf-gpt2", "hf-llama"])
