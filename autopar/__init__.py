@@ -5,6 +5,7 @@ from torch import nn
 from autopar.cluster import Cluster, DeviceSpec, LinkSpec
 from autopar.errors import AutoparError, CaptureError, ClusterSpecError, ModelSpecError
 from autopar.graph import CapturedModel, capture
+from autopar.models import meta_parameters
 from autopar.plan import Plan
 from autopar.planner import Constraints, InfeasibleError
 from autopar.runtime import ParallelModel, init_distributed, parallelize
@@ -60,6 +61,7 @@ __all__ = [
     "Plan",
     "capture",
     "init_distributed",
+    "meta_parameters",
     "parallelize",
     "plan",
 ]

@@ -6,12 +6,13 @@ so a model of any size costs no memory to inspect or plan.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,3 +93,29 @@ def resolve(spec: str, *, dtype: str | None = "bf16") -> ResolvedModel:
     seq = getattr(config, "max_position_embeddings", None) or getattr(config, "block_size", None)
     gpt = config if isinstance(config, GPTConfig) else None
     return ResolvedModel(name=spec, module=module, default_seq=int(seq or 1024), gpt=gpt)
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Build models whose parameters live on the meta device while buffers stay real.
+
+        with autopar.meta_parameters():
+            model = MyModel(cfg)          # no parameter memory; rotary tables etc. computed
+        pm = autopar.parallelize(model, plan)   # a pipeline plan: each rank allocates its stages
+        pm.load_full_state_dict(weights)        # or DCP: dcp.load(...) + pm.load_state_dict(...)
+
+    Each parameter is moved to meta as it is registered (constructors then initialise meta
+    tensors, which costs nothing); buffers, computed in ``__init__`` and often not saved in
+    checkpoints (non-persistent rotary tables), keep their values."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]

@@ -305,9 +305,16 @@ class ParallelModel(PlacedModel):
 
 
 def plan_for_world(
-    model: nn.Module, cluster: Cluster, *, global_batch: int, seq: int, dtype: str = "fp32"
+    model: nn.Module,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    seq: int,
+    dtype: str = "fp32",
+    constraints: Any = None,
 ) -> Plan:
-    """Rank 0 plans for the launched world and broadcasts the plan (every rank calls this)."""
+    """Rank 0 plans for the launched world and broadcasts the plan (every rank calls this).
+    ``constraints`` (``planner.Constraints``) fixes knobs; the planner chooses the rest."""
     world = dist.get_world_size()
     if cluster.world_size != world:
         raise AutoparError(
@@ -327,7 +334,7 @@ def plan_for_world(
                 global_batch=global_batch,
                 seq=seq,
                 dtype=dtype,
-                constraints=Constraints(tp=1, pp=1),
+                constraints=constraints or Constraints(),
             )
             box[0] = ("plan", result.plan.to_json())
         except AutoparError as e:  # every rank must hear it, not wait for a plan
@@ -358,11 +365,13 @@ def parallelize(
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
     optimizer_kwargs: dict[str, Any] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    constraints: Any = None,
 ) -> ParallelModel:
     """Apply ``plan`` to ``model`` on this rank (call on every rank, inside torchrun).
 
-    ``plan`` is a Plan, or a Cluster to plan for here (rank 0 plans data-parallel
-    strategies for the launched world with ``global_batch`` and ``seq``, and broadcasts).
+    ``plan`` is a Plan, or a Cluster to plan for here (rank 0 plans for the launched world
+    with ``global_batch`` and ``seq``, under ``constraints`` if given, and broadcasts).
+    Pipeline plans return a ``runtime_pp.PipelineModel`` (the same surface).
     The optimizer is ``optimizer_cls(params, **optimizer_kwargs)`` (default AdamW, lr 1e-3),
     sharded over the data-parallel ranks under ZeRO ≥ 1.
     """
@@ -371,7 +380,9 @@ def parallelize(
         if global_batch is None or seq is None:
             raise AutoparError("planning here needs global_batch= and seq= (or pass a Plan)")
         dtype = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
-        plan = plan_for_world(model, plan, global_batch=global_batch, seq=seq, dtype=dtype)
+        plan = plan_for_world(
+            model, plan, global_batch=global_batch, seq=seq, dtype=dtype, constraints=constraints
+        )
     st = plan.strategy
     world = dist.get_world_size()
     if st.world_size != world:

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from autopar.errors import AutoparError
-from autopar.graph import capture
+from autopar.graph import CapturedModel, capture
+from autopar.graph.trace import retarget
 from autopar.passes.pipeline_split import (
     fill_layers,
     outline_attention,
@@ -200,6 +201,9 @@ class PipelineModel(PlacedModel):
     """Parameters shared with other pipeline ranks and the groups that sum their gradients."""
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """A tied parameter's name → all its names in the model (the graph reads it under one)."""
+    needs_weights: bool = False
+    """Built from meta parameters: the stages' memory is allocated but holds no values until
+    ``load_full_state_dict`` or a DCP ``load_state_dict``."""
 
     def _with_aliases(self, state: dict[str, Any]) -> dict[str, Any]:
         return {alias: v for k, v in state.items() for alias in self.aliases.get(k, (k,))}
@@ -223,9 +227,17 @@ class PipelineModel(PlacedModel):
         dist.all_reduce(mean)  # only the dp·tp last-stage ranks contribute
         return float(mean) / (st.dp * st.tp)
 
+    def _check_weights(self) -> None:
+        if self.needs_weights:
+            raise AutoparError(
+                "this model was built with meta parameters: load its weights first "
+                "(load_full_state_dict, or torch.distributed.checkpoint.load + load_state_dict)"
+            )
+
     def train_step(self, batch: torch.Tensor) -> float:
         """One optimizer step on this replica's ``batch`` (global batch / dp rows), pipelined over
         the plan's micro-batches; returns the mean loss over all data-parallel ranks."""
+        self._check_weights()
         agree_on_batch(batch, self.plan.strategy)
         loss = self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), batch)
         params = {fqn(n): p for s in self.stages for n, p in s.named_parameters()}
@@ -239,7 +251,22 @@ class PipelineModel(PlacedModel):
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> float:
         """Mean loss of this replica's batch over all ranks, forward only."""
+        self._check_weights()
         return self._run(self.schedule.eval, batch)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load unsharded weights (the model's own ``state_dict()`` names, on the CPU, the same on
+        every rank): each rank copies in only its stages' slices."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        for stage in self.stages:
+            names = [k for k in stage.state_dict()]
+            missing = [fqn(k) for k in names if fqn(k) not in state]
+            if missing:
+                raise AutoparError(f"the state dict has no {missing[0]!r}: it is not this model's")
+            mine: dict[str, Any] = {k: state[fqn(k)] for k in names}
+            set_model_state_dict(stage, mine, options=StateDictOptions(full_state_dict=True))
+        self.needs_weights = False
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state for DCP under the original model's names (every chunk's
@@ -285,6 +312,7 @@ class PipelineModel(PlacedModel):
                 flatten(both, "", like)
             placements = {k: v.placements for k, v in like.items() if hasattr(v, "placements")}
             state = map_dtensors(state, restride, like=placements)
+        self.needs_weights = False
         for stage, opt in zip(self.stages, self.optimizer.optimizers, strict=True):
             names = {k: fqn(k) for k, _ in stage.state_dict().items()}
             set_model_state_dict(
@@ -309,6 +337,16 @@ class PipelineModel(PlacedModel):
         return self._with_aliases({k: v for part in gathered for k, v in part.items()})
 
 
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate ``module``'s meta tensors on ``device`` (``to_empty``, which FSDP2 follows),
+    keeping the values of buffers that already had them (rotary tables)."""
+    real = {name: b for name, b in module.named_buffers() if not b.is_meta}
+    module.to_empty(device=device)
+    for name, b in real.items():
+        owner, _, attr = name.rpartition(".")
+        module.get_submodule(owner)._buffers[attr] = b.to(device)
+
+
 def tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Each name of a parameter the model holds under several names → all of them."""
     groups: dict[int, list[str]] = {}
@@ -317,13 +355,37 @@ def tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return {name: tuple(names) for names in groups.values() if len(names) > 1 for name in names}
 
 
+def capture_with_meta_parameters(model: nn.Module, *, batch: int, seq: int) -> CapturedModel:
+    """``capture``, also for a model with meta parameters and real buffers (``meta_parameters``):
+    the buffers are traced as meta tensors, and the graph then reads the real ones."""
+    real = {n: b for n, b in model.named_buffers() if not b.is_meta}
+    if not real or not any(p.is_meta for p in model.parameters()):
+        return capture(model, batch=batch, seq=seq)
+
+    def put(values: dict[str, torch.Tensor]) -> None:
+        for name, b in values.items():
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._buffers[attr] = b
+
+    put({n: b.to("meta") for n, b in real.items()})
+    try:
+        captured = capture(model, batch=batch, seq=seq)
+    finally:
+        put(real)
+    for name, b in real.items():  # the graph's root copied the model's own buffers
+        if "." not in name:
+            captured.gm._buffers[name] = b
+    retarget(captured.gm, next(iter(real.values())).device)
+    return captured
+
+
 def build_stages(
     model: nn.Module, plan: Plan, mesh: Any
 ) -> tuple[dict[int, fx.GraphModule], list[str], list[TiedGroup], int]:
     """This rank's chunks (outlined, recompute applied, not yet sharded over DP), the names of
     TP-partial-gradient parameters, the tied-parameter groups, and the number of chunks."""
     st = plan.strategy
-    captured = capture(model, batch=st.micro_batch, seq=st.seq)
+    captured = capture_with_meta_parameters(model, batch=st.micro_batch, seq=st.seq)
     gm, partial = captured.gm, list[str]()
     if st.tp > 1:
         from autopar.runtime_tp import tensor_parallel_captured
@@ -365,6 +427,10 @@ def parallelize_pp(
         for stage in stages.values():
             shard_over_dp(stage, plan, mesh["dp"], half)
     device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else None
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta:  # allocate this rank's stages only; the weights come from a checkpoint
+        for stage in stages.values():
+            materialize(stage, device or torch.device("cpu"))
     group = mesh["pp"].get_group()
     pipes = [
         pipelining.PipelineStage(stage, c, n_chunks, device or torch.device("cpu"), group=group)
@@ -390,6 +456,7 @@ def parallelize_pp(
         tp_group=mesh["tp"].get_group().group_name,
         tied=tied,
         aliases=aliases,
+        needs_weights=on_meta,
     )
 
 
@@ -398,6 +465,7 @@ __all__ = [
     "PipelineModel",
     "build_stages",
     "fqn",
+    "materialize",
     "parallelize_pp",
     "recompute_blocks",
     "shard_over_dp",

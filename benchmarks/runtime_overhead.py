@@ -11,15 +11,11 @@ ratios and a summary line; exit status 1 if a ratio is above 1.05.
 from __future__ import annotations
 
 import argparse
-import datetime
-import statistics
 import sys
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from timing import alternate, join, run_two  # benchmarks/timing.py
 
 from autopar import Cluster
 from autopar.costing import profile_fn
@@ -28,7 +24,7 @@ from autopar.runtime import lm_loss, parallelize
 from autopar.zoo import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=4, n_embd=256, n_head=8, vocab_size=1024, block_size=128)
-BATCH, SEQ, WARMUP = 8, 128, 3
+BATCH, SEQ = 8, 128
 
 
 def make_model() -> torch.nn.Module:
@@ -43,10 +39,7 @@ def hand_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.T
 
 
 def worker(rank: int, init: str, plans: dict[str, str], steps: int, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
-    )
-    torch.set_num_threads(1)
+    join(rank, init)
     from autopar.plan import Plan
 
     data = torch.randint(0, CFG.vocab_size, (steps, BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -55,15 +48,7 @@ def worker(rank: int, init: str, plans: dict[str, str], steps: int, out: str) ->
 
     def timed_pair(names: tuple[str, str], fns: tuple) -> None:  # type: ignore[type-arg]
         """Alternate the two variants step by step so both see the same machine state."""
-        ts: dict[str, list[float]] = {n: [] for n in names}
-        for s in range(steps):
-            for name, fn in zip(names, fns, strict=True):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn(local[s])
-                ts[name].append(time.perf_counter() - t0)
-        for name in names:
-            times[name] = statistics.median(ts[name][WARMUP:])
+        times.update(alternate(dict(zip(names, fns, strict=True)), local))
 
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
@@ -103,10 +88,7 @@ def main() -> int:
         ).plan.to_json()
         for z in (0, 3)
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/times.pt"
-        mp.spawn(worker, args=(f"file://{tmp}/init", plans, args.steps, out), nprocs=2, join=True)
-        times = torch.load(out)
+    times = run_two(worker, plans, args.steps)
     ok = True
     for mine, hand in (("autopar ZeRO-0", "hand DDP"), ("autopar ZeRO-3", "hand FSDP2")):
         ratio = times[mine] / times[hand]

@@ -15,15 +15,11 @@ Prints the ratio and a summary line; exit status 1 if the ratio is above 1.05.
 from __future__ import annotations
 
 import argparse
-import datetime
-import statistics
 import sys
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from timing import alternate, join, run_two  # benchmarks/timing.py
 
 from autopar import Cluster
 from autopar.costing import profile_fn
@@ -33,7 +29,7 @@ from autopar.runtime import lm_loss, parallelize
 from autopar.zoo.llama import Llama, LlamaConfig
 
 CFG = LlamaConfig(n_layer=4, dim=512, n_head=8, n_kv_head=4, ffn_dim=1024, vocab_size=1024, max_seq_len=128)
-BATCH, SEQ, WARMUP = 4, 128, 3
+BATCH, SEQ = 4, 128
 
 
 def make_model() -> torch.nn.Module:
@@ -65,10 +61,7 @@ def hand_tp(model: torch.nn.Module, mesh: object) -> torch.nn.Module:
 
 
 def worker(rank: int, init: str, plan_json: str, steps: int, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
-    )
-    torch.set_num_threads(1)
+    join(rank, init)
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.plan import Plan
@@ -83,15 +76,9 @@ def worker(rank: int, init: str, plan_json: str, steps: int, out: str) -> None:
         opt.zero_grad(set_to_none=True)
 
     pm = parallelize(make_model(), Plan.from_json(plan_json))
-    ts: dict[str, list[float]] = {"hand": [], "autopar": []}
-    for s in range(steps):
-        for name, fn in (("hand", hand_step), ("autopar", pm.train_step)):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn(data[s])
-            ts[name].append(time.perf_counter() - t0)
+    times = alternate({"hand": hand_step, "autopar": pm.train_step}, data)
     if rank == 0:
-        torch.save({k: statistics.median(v[WARMUP:]) for k, v in ts.items()}, out)
+        torch.save(times, out)
     dist.destroy_process_group()
 
 
@@ -123,10 +110,7 @@ def main() -> int:
     ):
         print(f"autopar chose another layout: {decided} {ends}; the comparison would not be like for like")
         return 1
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/times.pt"
-        mp.spawn(worker, args=(f"file://{tmp}/init", plan.to_json(), args.steps, out), nprocs=2, join=True)
-        times = torch.load(out)
+    times = run_two(worker, plan.to_json(), args.steps)
     ratio = times["autopar"] / times["hand"]
     print(
         f"autopar TP2: {1e3 * times['autopar']:.1f} ms/step vs hand-written parallelize_module: "

@@ -1,10 +1,11 @@
 """Train a small GPT with autopar on whatever torchrun launched (CPU + gloo here, GPUs + NCCL there).
 
     torchrun --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--global-batch 16] [--seq 64]
+        [--tp T] [--pp P]
 
-autopar plans for the launched world (rank 0 plans, every rank gets the same plan),
-applies the plan, and this script trains on synthetic tokens, logging loss, tokens/s
-and peak memory per step on rank 0.
+autopar plans for the launched world (rank 0 plans, every rank gets the same plan; --tp/--pp
+fix those degrees, the planner chooses the rest), applies the plan, and this script trains on
+synthetic tokens, logging loss, tokens/s and peak memory per step on rank 0.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--tp", type=int, default=None, help="fix the tensor-parallel degree")
+    parser.add_argument("--pp", type=int, default=None, help="fix the pipeline-parallel degree")
     args = parser.parse_args()
 
     autopar.init_distributed()
@@ -35,15 +38,22 @@ def main() -> None:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     preset = "dgx-h100" if torch.cuda.is_available() else "cpu"
     cluster = autopar.Cluster.preset(preset, nodes=world // per_node, gpus_per_node=per_node)
-    pm = autopar.parallelize(model, cluster, global_batch=args.global_batch, seq=args.seq)
+    fixed = autopar.Constraints(tp=args.tp, pp=args.pp)
+    pm = autopar.parallelize(model, cluster, global_batch=args.global_batch, seq=args.seq, constraints=fixed)
+    # TP is the innermost mesh axis: each TP group should sit inside one node (GROUP_RANK)
+    nodes: list[int] = [0] * world
+    dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", 0)))
+    tp = pm.plan.strategy.tp
+    inside = all(len(set(nodes[g : g + tp])) == 1 for g in range(0, world, tp))
     if rank == 0:
         print(pm.plan.text(), flush=True)
-    local = args.global_batch // pm.plan.strategy.dp
+        print(f"tensor-parallel groups inside one node: {inside}", flush=True)
+    local, replica = args.global_batch // pm.plan.strategy.dp, pm.dp_rank
     generator = torch.Generator().manual_seed(1)
     for step in range(args.steps):
         batch = torch.randint(0, 512, (args.global_batch, args.seq), generator=generator)
         t0 = time.perf_counter()
-        loss = pm.train_step(batch[rank * local : (rank + 1) * local])
+        loss = pm.train_step(batch[replica * local : (replica + 1) * local])
         dt = time.perf_counter() - t0
         if rank == 0:
             peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

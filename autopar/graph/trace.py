@@ -366,3 +366,18 @@ def capture_error(model: nn.Module, exc: BaseException) -> CaptureError:
     if data_dependent:
         reason = "branches on the value of a tensor"
     return CaptureError(f"can't capture {who}{where}: {reason}. Fix: {fix}.")
+
+
+def retarget(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """Point the devices a graph traced on meta tensors baked into its operators (``arange(...,
+    device=meta)``, ``_assert_tensor_metadata``) at ``device``."""
+
+    def move(x: Any) -> Any:
+        return device if isinstance(x, torch.device) and x.type == "meta" else x
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.args = fx.node.map_aggregate(n.args, move)
+            n.kwargs = fx.node.map_aggregate(n.kwargs, move)
+    gm.recompile()
+    return gm

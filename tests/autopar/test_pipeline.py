@@ -154,3 +154,63 @@ def test_fp16_pipelines_are_refused_clearly() -> None:
     bad = Plan.from_dict({**plan.to_dict(), "strategy": {**plan.strategy.to_dict(), "dtype": "fp16"}})
     with pytest.raises(AutoparError, match="--dtype bf16"):
         check_runnable(bad)
+
+
+def meta_worker(rank: int, world: int, init: str, plan_json: str, data: torch.Tensor, out: str) -> None:
+    """Build the model with meta parameters, parallelize, load the reference weights, train."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from autopar.errors import AutoparError
+    from autopar.verify import LR
+
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    torch.set_num_threads(1)
+    try:
+        plan = Plan.from_json(plan_json)
+        with autopar.meta_parameters():
+            model = make_llama()
+        pm = autopar.parallelize(model, plan, optimizer_cls=torch.optim.SGD, optimizer_kwargs={"lr": LR})
+        local = sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() for s in pm.stages for p in s.parameters()
+        )
+        st = plan.strategy
+        rows = slice(pm.dp_rank * BATCH // st.dp, (pm.dp_rank + 1) * BATCH // st.dp)
+        try:
+            pm.train_step(data[0, rows])
+            refused = ""
+        except AutoparError as e:
+            refused = str(e)
+        pm.load_full_state_dict(make_llama().state_dict())
+        losses = [pm.train_step(data[step, rows]) for step in range(STEPS)]
+        state = pm.full_state_dict()
+        counts: list[int] = [0] * world
+        dist.all_gather_object(counts, local)
+        if rank == 0:
+            result = {"losses": losses, "state": state, "local": counts, "refused": refused}
+            result["still_meta"] = all(p.is_meta for p in model.parameters())
+            torch.save(result, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_meta_model_materialises_only_its_stages(tmp_path) -> None:
+    """PP2×DP2 ZeRO-3 from meta parameters: each rank allocates its stage's shard only, training
+    is refused until weights are loaded, then equals the single-process run."""
+    import torch.multiprocessing as mp
+
+    plan = _plan(make_llama, pp=2, dp=2, tp=1, zero=3, schedule="1f1b")
+    data = torch.randint(0, 64, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    out = str(tmp_path / "meta.pt")
+    mp.spawn(meta_worker, args=(4, f"file://{tmp_path}/init", plan.to_json(), data, out), nprocs=4, join=True)
+    got = torch.load(out)
+    total = sum(p.numel() for p in make_llama().parameters())
+    assert got["still_meta"] and "load its weights first" in got["refused"]
+    assert max(got["local"]) < 0.3 * total, (got["local"], total)  # about a quarter each
+    gap, worst = compare(run_reference(make_llama, data, STEPS, optimizer="sgd"), got)
+    diffs = f"loss diff {gap:.1e}, param diff {worst:.1e}"
+    print(f"meta → PP2×DP2 ZeRO-3: parameters per rank {got['local']} of {total}; {diffs}")
+    assert gap <= 1e-5 and worst <= 1e-6

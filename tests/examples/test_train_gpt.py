@@ -1,4 +1,5 @@
-"""examples/train_gpt.py under torchrun: one node with 2 processes, and 2 "nodes" on localhost."""
+"""examples/train_gpt.py under torchrun: one node with 2 processes, and 2 "nodes" on localhost
+(data parallel across them; and a PP2×TP2 plan whose TP groups stay inside a node)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
-ARGS = ["--steps", "3", "--global-batch", "8", "--seq", "32"]
+ARGS = ["--steps", "3", "--global-batch", "8", "--seq", "32", "--tp", "1", "--pp", "1"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -30,7 +31,8 @@ def test_single_node_two_processes() -> None:
     assert "mesh pp1 × dp2 × tp1" in proc.stdout and "step   2  loss" in proc.stdout
 
 
-def test_two_nodes_on_localhost() -> None:
+def _two_nodes(per_node: int, args: list[str]) -> str:
+    """Run the example as 2 "nodes" on localhost (c10d rendezvous); returns their stdout."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = [
@@ -38,7 +40,7 @@ def test_two_nodes_on_localhost() -> None:
         "--nnodes",
         "2",
         "--nproc-per-node",
-        "1",
+        str(per_node),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
@@ -46,7 +48,7 @@ def test_two_nodes_on_localhost() -> None:
         "--rdzv-id",
         "autopar-test",
         str(EXAMPLE),
-        *ARGS,
+        *args,
     ]
     nodes = [
         subprocess.Popen(common, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -55,7 +57,20 @@ def test_two_nodes_on_localhost() -> None:
     outs = [p.communicate(timeout=240) for p in nodes]
     for p, (_, err) in zip(nodes, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
-    text = "".join(out for out, _ in outs)
+    return "".join(out for out, _ in outs)
+
+
+def test_two_nodes_on_localhost() -> None:
+    text = _two_nodes(1, ARGS)
     # one GPU per node: the data-parallel axis is the one that crosses nodes
     assert "on 2× cpu: mesh pp1 × dp2 × tp1 (dp across nodes)" in text
+    assert "step   2  loss" in text
+
+
+def test_pipeline_and_tensor_parallel_across_two_nodes() -> None:
+    """4 processes as 2 nodes × 2: the pipeline axis crosses nodes, each TP group stays in one."""
+    args = [*ARGS[:-4], "--tp", "2", "--pp", "2"]
+    text = _two_nodes(2, args)
+    assert "on 2× cpu: mesh pp2 × dp1 × tp2 (pp across nodes)" in text, text
+    assert "tensor-parallel groups inside one node: True" in text
     assert "step   2  loss" in text

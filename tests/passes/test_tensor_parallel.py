@@ -179,7 +179,7 @@ def test_tp2_hugging_face_models_unmodified(make, tmp_path) -> None:
     assert "column" in decided.values() and "row" in decided.values() and "heads" in decided.values(), decided
     data, results = _run(make, [plan], 2, tmp_path)
     gap, worst = _check(make, data, results[0])
-    print(f"TP2 {make.__name__}: {decided}: max loss diff {gap:.1e}, parameter diff {worst:.1e}")
+    print(f"TP2 {make.func.__name__}: {decided}: max loss diff {gap:.1e}, parameter diff {worst:.1e}")
 
 
 VOCAB_CFG = GPTConfig(n_layer=2, n_embd=256, n_head=4, vocab_size=4096, block_size=SEQ)

@@ -1,0 +1,51 @@
+"""What the overhead benchmarks share: two gloo processes, variants timed step by step in turn.
+
+Alternating the variants (a barrier before each step) lets both see the same machine state on
+a shared, noisy CPU; the median of the steps after the warm-up is reported.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WARMUP = 3
+"""Steps dropped before the median (first-step allocations, pipeline shape inference)."""
+
+
+def join(rank: int, init: str) -> None:
+    """Join the 2-process gloo group (5-minute timeout) with one thread per process."""
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
+    )
+    torch.set_num_threads(1)
+
+
+def alternate(variants: dict[str, Callable[[Any], Any]], batches: Any) -> dict[str, float]:
+    """Median seconds per step of each variant after ``WARMUP`` steps, the variants taking
+    turns on every batch."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for batch in batches:
+        for name, step in variants.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(batch)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts[WARMUP:]) for name, ts in times.items()}
+
+
+def run_two(worker: Callable[..., None], *args: Any) -> dict[str, float]:
+    """Spawn ``worker(rank, init, *args, out)`` on 2 processes; returns what rank 0 saved to ``out``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/times.pt"
+        mp.spawn(worker, args=(f"file://{tmp}/init", *args, out), nprocs=2, join=True)
+        times: dict[str, float] = torch.load(out)
+    return times
