@@ -17,6 +17,7 @@ from autopar import Cluster
 from autopar.passes.tp_rules import SHARDING
 from autopar.plan import Plan
 from autopar.planner import Constraints
+from autopar.runtime import lm_loss
 from autopar.verify import compare, run_reference, spawn_plans
 from autopar.zoo import GPT, GPTConfig, hf
 from autopar.zoo.llama import Llama, LlamaConfig
@@ -188,11 +189,13 @@ def meta_worker(rank: int, world: int, init: str, plan_json: str, data: torch.Te
             refused = str(e)
         pm.load_full_state_dict(make_llama().state_dict())
         losses = [pm.train_step(data[step, rows]) for step in range(STEPS)]
+        evaluated = pm.eval_step(data[0, rows])  # forward-only schedule on the trained weights
         state = pm.full_state_dict()
         counts: list[int] = [0] * world
         dist.all_gather_object(counts, local)
         if rank == 0:
             result = {"losses": losses, "state": state, "local": counts, "refused": refused}
+            result["eval"] = evaluated
             result["still_meta"] = all(p.is_meta for p in model.parameters())
             torch.save(result, out)
     finally:
@@ -212,7 +215,13 @@ def test_meta_model_materialises_only_its_stages(tmp_path) -> None:
     total = sum(p.numel() for p in make_llama().parameters())
     assert got["still_meta"] and "load its weights first" in got["refused"]
     assert max(got["local"]) < 0.3 * total, (got["local"], total)  # about a quarter each
-    gap, worst = compare(run_reference(make_llama, data, STEPS, optimizer="sgd"), got)
+    reference = run_reference(make_llama, data, STEPS, optimizer="sgd")
+    gap, worst = compare(reference, got)
+    trained = make_llama()
+    trained.load_state_dict(reference[1])
+    with torch.no_grad():
+        want = float(lm_loss(trained(data[0]), data[0]))
+    assert abs(got["eval"] - want) <= 1e-5, (got["eval"], want)
     diffs = f"loss diff {gap:.1e}, param diff {worst:.1e}"
     print(f"meta → PP2×DP2 ZeRO-3: parameters per rank {got['local']} of {total}; {diffs}")
     assert gap <= 1e-5 and worst <= 1e-6
