@@ -47,6 +47,31 @@ def lm_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
+def scalar(x: Any) -> Any:
+    """A DTensor as the whole plain tensor (a vocab-parallel loss is a replicated DTensor);
+    anything else unchanged."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def whole_logits(
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """``loss_fn`` for tensor-parallel plans, whose logits may leave split over the vocabulary
+    (DTensors): ``lm_loss`` computes on them vocab-parallel (under ``loss_parallel``); any other
+    loss gets them gathered whole."""
+    if loss_fn is lm_loss:
+        return loss_fn
+
+    def gathered(output: Any, tokens: torch.Tensor) -> torch.Tensor:
+        from torch.utils._pytree import tree_map
+
+        return loss_fn(
+            tree_map(lambda x: x.full_tensor() if hasattr(x, "full_tensor") else x, output), tokens
+        )
+
+    return gathered
+
+
 def device_type() -> str:
     """Where this rank computes: ``cuda`` when a GPU is visible, else ``cpu``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -183,6 +208,14 @@ class PlacedModel:
             return contextlib.nullcontext()
         return torch.autocast(device_type(), dtype=self.autocast_dtype)
 
+    def _loss_parallel(self) -> contextlib.AbstractContextManager[Any]:
+        """Cross-entropy on logits split over the vocabulary (forward and backward run inside)."""
+        if self.plan.strategy.tp == 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
 
 @dataclass
 class ParallelModel(PlacedModel):
@@ -223,7 +256,7 @@ class ParallelModel(PlacedModel):
         agree_on_batch(batch, st)
         total = torch.zeros((), dtype=torch.float32)
         for i, micro in enumerate(batch.split(st.micro_batch)):
-            with self._sync(i == self.micro_batches - 1), self._autocast():
+            with self._sync(i == self.micro_batches - 1), self._autocast(), self._loss_parallel():
                 loss = self.loss_fn(self.module(micro), micro)
                 if loss.dim() != 0:
                     raise AutoparError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
@@ -231,7 +264,7 @@ class ParallelModel(PlacedModel):
                 if self.scaler is not None:
                     scaled = self.scaler.scale(scaled)
                 scaled.backward()
-            total += loss.detach().float()
+            total += scalar(loss).detach().float()
         reduce_partial_grads(self.partial_grads, self.tp_group)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skipped when a gradient overflowed; then the scale halves
@@ -248,9 +281,9 @@ class ParallelModel(PlacedModel):
         """Mean loss of this rank's batch over all ranks, without gradients or updates."""
         parts = batch.split(self.plan.strategy.micro_batch)  # a captured graph runs one micro-batch
         loss = torch.zeros((), dtype=torch.float32)
-        with self._autocast():
+        with self._autocast(), self._loss_parallel():
             for micro in parts:
-                loss += self.loss_fn(self.module(micro), micro).detach().float() / len(parts)
+                loss += scalar(self.loss_fn(self.module(micro), micro)).detach().float() / len(parts)
         dist.all_reduce(loss)
         return float(loss) / dist.get_world_size()
 
@@ -399,6 +432,8 @@ def parallelize(
         )
     _agree_on_plan(plan)
     kwargs = optimizer_kwargs if optimizer_kwargs is not None else {"lr": 1e-3}
+    if st.tp > 1:
+        loss_fn = whole_logits(loss_fn)
     if st.pp > 1:
         from autopar.runtime_pp import parallelize_pp
 

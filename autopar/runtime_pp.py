@@ -39,6 +39,7 @@ from autopar.runtime import (
     device_type,
     fsdp_policy,
     reduce_partial_grads,
+    scalar,
 )
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
@@ -215,7 +216,7 @@ class PipelineModel(PlacedModel):
 
     def _run(self, run: Callable[..., Any], batch: torch.Tensor) -> float:
         losses: list[torch.Tensor] = []
-        with self._autocast():
+        with self._autocast(), self._loss_parallel():
             if self.first:
                 run(batch, target=batch if self.last else None, losses=losses)
             else:
@@ -223,7 +224,7 @@ class PipelineModel(PlacedModel):
         st = self.plan.strategy
         mean = torch.zeros((), dtype=torch.float32)
         if self.last:
-            mean += sum(float(x.detach()) for x in losses) / len(losses)
+            mean += sum(float(scalar(x).detach()) for x in losses) / len(losses)
         dist.all_reduce(mean)  # only the dp·tp last-stage ranks contribute
         return float(mean) / (st.dp * st.tp)
 

@@ -64,6 +64,7 @@ from autopar.passes.tp_rules import (
     strategies,
     stream_placement,
     tensor_args,
+    vocab_parallel_output,
 )
 
 INFEASIBLE = float("inf")
@@ -132,6 +133,26 @@ def reshard(
         return INFEASIBLE, []
     steps = [st for st in steps if grad or st[1] == "forward"]
     return sum(_ring_s(kind, size_bytes, t, link) for kind, _ in steps), steps
+
+
+LOSS = "(loss)"
+"""``Collective.at`` of the vocabulary-parallel cross-entropy's reductions."""
+
+
+def leave(
+    n: fx.Node, out: str, to: str, t: int, link: GroupLink, *, grad: bool, final: bool
+) -> tuple[float, list[Collective]]:
+    """Seconds and collectives for a layer output in placement ``out`` to leave as ``to`` (the
+    stream; R for the model's output). Logits split over the vocabulary stay split: torch's
+    ``loss_parallel`` cross-entropy all-reduces 3 values per row forward (max, sum of exp,
+    target logit; Megatron's vocab-parallel CE) and runs its backward locally, instead of an
+    all-gather of every logit."""
+    if final and vocab_parallel_output(n, out):
+        rows = _prod(tuple(n.meta["autopar.shape"][:-1])) * 4  # fp32 per row
+        c = Collective(kind="all_reduce", phase="forward", size_bytes=rows, at=LOSS)
+        return 3 * _ring_s("all_reduce", rows, t, link), [c, c, c]
+    c_s, kinds = reshard(out, to, _bytes(n), t, link, grad=grad)
+    return c_s, [Collective(kind=k, phase=p, size_bytes=_bytes(n), at=n.name) for k, p in kinds]
 
 
 def step_collectives(sp: bool) -> list[tuple[str, str]]:
@@ -274,9 +295,9 @@ def choose_layer(
             cost.append((base * s.compute_fraction + own) * x[n, i])
             # layer outputs become the residual stream the next layer expects (an operator that
             # can only run replicated, e.g. MoE routing, pays for the conversion)
-            leave = R if n.name in final else stream
-            if n.name in outputs and s.out != leave:
-                c, _ = reshard(s.out, leave, _bytes(n), t, link, grad=n.name in grads)
+            to = R if n.name in final else stream
+            if n.name in outputs and s.out != to:
+                c, _ = leave(n, s.out, to, t, link, grad=n.name in grads, final=n.name in final)
                 if c == INFEASIBLE:
                     prob += x[n, i] == 0, f"output_stream_{n.name}_{i}"
                 else:
@@ -368,11 +389,11 @@ def _summarise(
             c, kinds = reshard(src, need, _bytes(u), t, link, grad=u.name in grads)
             total += c
             collectives += [Collective(kind=k, phase=p, size_bytes=_bytes(u), at=n.name) for k, p in kinds]
-        leave = R if n.name in final else stream
-        if n.name in outputs and s.out != leave:  # converted for the next layer (or the model's output)
-            c, kinds = reshard(s.out, leave, _bytes(n), t, link, grad=n.name in grads)
+        to = R if n.name in final else stream
+        if n.name in outputs and s.out != to:  # converted for the next layer (or the model's output)
+            c, more = leave(n, s.out, to, t, link, grad=n.name in grads, final=n.name in final)
             total += c
-            collectives += [Collective(kind=k, phase=p, size_bytes=_bytes(n), at=n.name) for k, p in kinds]
+            collectives += more
     return LayerTP(strategies=chosen, modules=modules, collectives=tuple(collectives), time_s=total)
 
 
@@ -431,6 +452,7 @@ def tp_tables(
 
 
 __all__ = [
+    "LOSS",
     "Collective",
     "LayerTP",
     "choose_layer",

@@ -28,7 +28,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.passes.tp_rules import (
@@ -41,6 +41,7 @@ from autopar.passes.tp_rules import (
     linear_parts,
     shard_dim,
     tensor_args,
+    vocab_parallel_output,
 )
 
 log = logging.getLogger(__name__)
@@ -326,7 +327,13 @@ def tensor_parallel(
             node.args = (node.args[0], int(node.args[1]) // t, *node.args[2:])  # type: ignore[call-overload]
         elif d is not None and node.target == aten.split_with_sizes.default and cut_dim(node) == d:
             node.args = (node.args[0], [int(x) // t for x in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
-    # operators outside the tensor-parallel layers (the head) take their inputs whole
+
+    def vocab_logits(x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The model's logits, split over the vocabulary, as a DTensor for ``loss_parallel``."""
+        return DTensor.from_local(x, mesh, [Shard(dim)], run_check=False)
+
+    # operators outside the tensor-parallel layers (the head) take their inputs whole; logits
+    # split over the vocabulary leave as a DTensor (the loss is computed vocab-parallel)
     for node in list(graph.nodes):
         if (
             node.op in ("call_function", "output")
@@ -335,7 +342,15 @@ def tensor_parallel(
             and (node.op == "output" or isinstance(node.meta.get("val"), torch.Tensor | list | tuple))
         ):
             for src in tensor_args(node):
-                if src.name in chosen:
+                if (
+                    node.op == "output"
+                    and src.name in chosen
+                    and vocab_parallel_output(src, out_of[src.name])
+                ):
+                    with graph.inserting_after(src):
+                        wrapped = graph.call_function(vocab_logits, (src, shard_dim(out_of[src.name])))
+                    node.replace_input_with(src, wrapped)
+                elif src.name in chosen:
                     convert(node, src, R)
     # 3. every parameter the graph still reads whole becomes a replicated DTensor read locally
     for node in list(graph.nodes):

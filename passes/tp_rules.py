@@ -422,6 +422,13 @@ def propagate(
     return out
 
 
+def vocab_parallel_output(n: fx.Node, out: str) -> bool:
+    """Whether the model output ``n`` (logits) leaves split over its last dim (the vocabulary):
+    the loss is then computed vocab-parallel instead of gathering the logits."""
+    shape = n.meta.get("autopar.shape", ())
+    return len(shape) >= 2 and shard_dim(out) == len(shape) - 1
+
+
 __all__ = [
     "LINEAR_ARGS",
     "RESHAPES",
@@ -441,4 +448,5 @@ __all__ = [
     "stream_placement",
     "tensor_args",
     "view_dim_map",
+    "vocab_parallel_output",
 ]
