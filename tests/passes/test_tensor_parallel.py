@@ -235,3 +235,29 @@ def test_vocab_parallel_embedding_and_head_tied(tmp_path) -> None:
     gap, worst = compare(run_reference(make_gpt_big_vocab, data, STEPS, spec, optimizer="sgd"), custom[0])
     assert gap <= 1e-5 and worst <= 1e-6, (gap, worst)
     print(f"TP2 GPT (V 4096), a user's loss on gathered logits: loss diff {gap:.1e}, param {worst:.1e}")
+
+
+def make_llama_two_kv_heads() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(n_layer=2, dim=256, n_head=8, n_kv_head=2, ffn_dim=512, vocab_size=64, max_seq_len=32)
+    return Llama(cfg)
+
+
+def test_tp4_gqa_with_fewer_kv_heads_than_ranks(tmp_path) -> None:
+    """2 KV heads at tp 4 (seq 32, where attention is worth splitting): the 2 KV heads can't be
+    sliced 4 ways, so K and V reach attention whole and each rank takes its query heads' share
+    after they are repeated (a runtime shape error before the ILP checked that a split dim
+    divides by t)."""
+    import autopar
+
+    with torch.device("meta"):
+        meta = make_llama_two_kv_heads()
+    cons = Constraints(tp=4, pp=1, dp=1, micro_batch=2, recompute=("none",))
+    cluster = Cluster.preset("cpu", gpus_per_node=4)
+    plan = autopar.plan(meta, cluster, global_batch=BATCH, seq_len=32, dtype="fp32", constraints=cons)
+    assert _sharded(plan).get("attention") == "heads", _sharded(plan)
+    data = torch.randint(0, 64, (STEPS, BATCH, 32), generator=torch.Generator().manual_seed(1))
+    got = spawn_plans(make_llama_two_kv_heads, [plan], data, str(tmp_path), optimizer="sgd")[0]
+    gap, worst = compare(run_reference(make_llama_two_kv_heads, data, STEPS, optimizer="sgd"), got)
+    assert gap <= 1e-5 and worst <= 1e-6, (gap, worst)
+    print(f"TP4 Llama, 8 query / 2 KV heads: loss diff {gap:.1e}, parameter diff {worst:.1e}")
