@@ -68,6 +68,11 @@ class Plan:
     """Per layer type, every operator's strategy as (op key ``module:op#k``, strategy, output
     placement), e.g. ("Block", (("attn.c_attn:linear#0", "column", "S2"), …)). Empty when tp = 1."""
 
+    @property
+    def recompute(self) -> dict[str, str]:
+        """Every block of every stage → its recompute choice (none | selective | full)."""
+        return {name: choice for s in self.stages for name, choice in s.recompute}
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict; ``Plan.from_dict(p.to_dict()) == p``."""
         return {

@@ -65,9 +65,7 @@ def whole_logits(
     def gathered(output: Any, tokens: torch.Tensor) -> torch.Tensor:
         from torch.utils._pytree import tree_map
 
-        return loss_fn(
-            tree_map(lambda x: x.full_tensor() if hasattr(x, "full_tensor") else x, output), tokens
-        )
+        return loss_fn(tree_map(scalar, output), tokens)
 
     return gathered
 
@@ -130,28 +128,28 @@ def _apply_recompute(model: nn.Module, plan: Plan) -> int:
     """Wrap each block the plan recomputes; returns how many were wrapped."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    from autopar.passes.pipeline_split import is_attention
+
     wrapped = 0
-    for stage in plan.stages:
-        for name, choice in stage.recompute:
-            if choice == "none":
+    for name, choice in plan.recompute.items():
+        if choice == "none":
+            continue
+        target = name
+        if choice == "selective":
+            block = model.get_submodule(name)
+            attn = next((n for n, _ in block.named_children() if is_attention(n)), None)
+            if attn is None:
                 continue
-            target = name
-            if choice == "selective":
-                block = model.get_submodule(name)
-                attn = next((n for n, _ in block.named_children() if "attn" in n or "attention" in n), None)
-                if attn is None:
-                    continue
-                target = f"{name}.{attn}"
-            parent_name, _, child = target.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            setattr(parent, child, checkpoint_wrapper(getattr(parent, child)))
-            wrapped += 1
+            target = f"{name}.{attn}"
+        parent_name, _, child = target.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, checkpoint_wrapper(getattr(parent, child)))
+        wrapped += 1
     return wrapped
 
 
 def _blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
-    names = [n for s in plan.stages for n, _ in s.recompute]
-    return [model.get_submodule(n) for n in names]
+    return [model.get_submodule(n) for n in plan.recompute]
 
 
 def agree_on_batch(batch: torch.Tensor, st: Any) -> None:
@@ -425,7 +423,7 @@ def parallelize(
         )
     check_runnable(plan)
     model_blocks = {n for n, _ in model.named_modules()}
-    missing = [n for s in plan.stages for n, _ in s.recompute if n not in model_blocks]
+    missing = [n for n in plan.recompute if n not in model_blocks]
     if missing:
         raise AutoparError(
             f"the plan names layers this model lacks (e.g. {missing[0]!r}): it was made for {plan.model}"

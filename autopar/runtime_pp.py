@@ -31,6 +31,7 @@ from autopar.passes.pipeline_split import (
     split_stages,
     stage_chunks,
 )
+from autopar.passes.tensor_parallel import is_param
 from autopar.plan import Plan
 from autopar.runtime import (
     PlacedModel,
@@ -90,7 +91,7 @@ def shard_over_dp(stage: nn.Module, plan: Plan, dp_mesh: Any, half: torch.dtype 
         "mp_policy": fsdp_policy(half),
         "shard_placement_fn": dp_placement,
     }
-    for name in (name for s in plan.stages for name, _ in s.recompute):
+    for name in plan.recompute:
         if _has(stage, name):
             fully_shard(stage.get_submodule(name), **options)
     fully_shard(stage, **options)
@@ -110,7 +111,7 @@ def shared_params(gm: fx.GraphModule, chunks: list[list[str]], names: list[str])
     readers: dict[str, set[int]] = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
-            param = gm.get_parameter(str(n.target)) if _is_param(gm, str(n.target)) else None
+            param = gm.get_parameter(str(n.target)) if is_param(gm, str(n.target)) else None
             if param is None or not param.requires_grad:
                 continue
             todo, seen = list(n.users), set()
@@ -126,17 +127,16 @@ def shared_params(gm: fx.GraphModule, chunks: list[list[str]], names: list[str])
     return {k: v for k, v in readers.items() if len(v) > 1}
 
 
-def _is_param(gm: fx.GraphModule, target: str) -> bool:
-    owner, _, attr = target.rpartition(".")
-    return attr in gm.get_submodule(owner)._parameters
-
-
 @dataclass
 class TiedGroup:
     """Parameters held by several pipeline ranks and the process group that sums their gradients."""
 
     names: list[str]
+    """Their names in this rank's stages."""
     group: Any
+    """The process group of the ranks holding them (one per (dp, tp) coordinate)."""
+    params: list[nn.Parameter] = field(default_factory=list)
+    """The parameters themselves, once the stages are final (after FSDP2 replaced them)."""
 
 
 def tied_groups(shared: dict[str, set[int]], mesh: Any, pp: int) -> list[TiedGroup]:
@@ -241,10 +241,9 @@ class PipelineModel(PlacedModel):
         self._check_weights()
         agree_on_batch(batch, self.plan.strategy)
         loss = self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), batch)
-        params = {fqn(n): p for s in self.stages for n, p in s.named_parameters()}
         reduce_partial_grads(self.partial_grads, self.tp_group)
         for tied in self.tied:  # embedding and head gradients of a tied weight add up
-            reduce_partial_grads([params[n] for n in tied.names], tied.group)
+            reduce_partial_grads(tied.params, tied.group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
@@ -269,16 +268,14 @@ class PipelineModel(PlacedModel):
             set_model_state_dict(stage, mine, options=StateDictOptions(full_state_dict=True))
         self.needs_weights = False
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state for DCP under the original model's names (every chunk's
-        entries merged; a tied weight is saved once)."""
+    def _local_state(self) -> dict[str, Any]:
+        """This rank's model and optimizer entries of every chunk, merged, under the model's
+        names (optimizer state flattened by FQN, as DCP keys it)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
         )
-
-        from autopar.checkpointing import map_dtensors, unstride
 
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
         model: dict[str, Any] = {}
@@ -286,13 +283,21 @@ class PipelineModel(PlacedModel):
         for stage, opt in zip(self.stages, self.optimizer.optimizers, strict=True):
             model.update({fqn(k): v for k, v in get_model_state_dict(stage).items()})
             optim.update({fqn(k): v for k, v in get_optimizer_state_dict(stage, opt, options=flat).items()})
-        return map_dtensors({"model": self._with_aliases(model), "optimizer": optim}, unstride)
+        return {"model": model, "optimizer": optim}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state for DCP under the original model's names (a tied weight
+        under each of its names)."""
+        from autopar.checkpointing import map_dtensors, unstride
+
+        local = self._local_state()
+        local["model"] = self._with_aliases(local["model"])
+        return map_dtensors(local, unstride)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of ``state_dict`` (after ``torch.distributed.checkpoint.load`` into it)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
-            get_model_state_dict,
             get_optimizer_state_dict,
             set_model_state_dict,
             set_optimizer_state_dict,
@@ -300,22 +305,15 @@ class PipelineModel(PlacedModel):
 
         from autopar.checkpointing import flatten, map_dtensors, restride
 
-        flat = StateDictOptions(flatten_optimizer_state_dict=True)
         if self.plan.strategy.tp > 1:  # fused-QKV shards were saved as plain shards
             like: dict[str, Any] = {}
-            for stage, opt in zip(self.stages, self.optimizer.optimizers, strict=True):
-                both = {
-                    "model": {fqn(k): v for k, v in get_model_state_dict(stage).items()},
-                    "optimizer": {
-                        fqn(k): v for k, v in get_optimizer_state_dict(stage, opt, options=flat).items()
-                    },
-                }
-                flatten(both, "", like)
+            flatten(self._local_state(), "", like)
             placements = {k: v.placements for k, v in like.items() if hasattr(v, "placements")}
             state = map_dtensors(state, restride, like=placements)
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
         self.needs_weights = False
         for stage, opt in zip(self.stages, self.optimizer.optimizers, strict=True):
-            names = {k: fqn(k) for k, _ in stage.state_dict().items()}
+            names = {k: fqn(k) for k in stage.state_dict()}
             set_model_state_dict(
                 stage, {k: state["model"][v] for k, v in names.items() if v in state["model"]}
             )
@@ -338,14 +336,19 @@ class PipelineModel(PlacedModel):
         return self._with_aliases({k: v for part in gathered for k, v in part.items()})
 
 
+def set_buffers(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Put each tensor of ``values`` (buffer name → tensor) in place of that buffer."""
+    for name, b in values.items():
+        owner, _, attr = name.rpartition(".")
+        module.get_submodule(owner)._buffers[attr] = b
+
+
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate ``module``'s meta tensors on ``device`` (``to_empty``, which FSDP2 follows),
     keeping the values of buffers that already had them (rotary tables)."""
-    real = {name: b for name, b in module.named_buffers() if not b.is_meta}
+    real = {name: b.to(device) for name, b in module.named_buffers() if not b.is_meta}
     module.to_empty(device=device)
-    for name, b in real.items():
-        owner, _, attr = name.rpartition(".")
-        module.get_submodule(owner)._buffers[attr] = b.to(device)
+    set_buffers(module, real)
 
 
 def tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -363,21 +366,32 @@ def capture_with_meta_parameters(model: nn.Module, *, batch: int, seq: int) -> C
     if not real or not any(p.is_meta for p in model.parameters()):
         return capture(model, batch=batch, seq=seq)
 
-    def put(values: dict[str, torch.Tensor]) -> None:
-        for name, b in values.items():
-            owner, _, attr = name.rpartition(".")
-            model.get_submodule(owner)._buffers[attr] = b
-
-    put({n: b.to("meta") for n, b in real.items()})
+    set_buffers(model, {n: b.to("meta") for n, b in real.items()})
     try:
         captured = capture(model, batch=batch, seq=seq)
     finally:
-        put(real)
+        set_buffers(model, real)
     for name, b in real.items():  # the graph's root copied the model's own buffers
         if "." not in name:
             captured.gm._buffers[name] = b
     retarget(captured.gm, next(iter(real.values())).device)
     return captured
+
+
+def rewritten_graph(
+    model: nn.Module, plan: Plan, tp_mesh: Any
+) -> tuple[fx.GraphModule, list[str], list[str]]:
+    """The model captured at the plan's micro-batch shape, rewritten for the TP axis when
+    tp > 1, every node annotated with its layer: (graph, layer names, names of the parameters
+    with TP-partial gradients). What the TP and pipeline runtimes both start from."""
+    st = plan.strategy
+    captured = capture_with_meta_parameters(model, batch=st.micro_batch, seq=st.seq)
+    gm, partial = captured.gm, list[str]()
+    if st.tp > 1:
+        from autopar.runtime_tp import tensor_parallel_captured
+
+        gm, partial = tensor_parallel_captured(captured, plan, tp_mesh)
+    return fill_layers(gm), [layer.name for layer in captured.layers], partial
 
 
 def build_stages(
@@ -386,20 +400,12 @@ def build_stages(
     """This rank's chunks (outlined, recompute applied, not yet sharded over DP), the names of
     TP-partial-gradient parameters, the tied-parameter groups, and the number of chunks."""
     st = plan.strategy
-    captured = capture_with_meta_parameters(model, batch=st.micro_batch, seq=st.seq)
-    gm, partial = captured.gm, list[str]()
-    if st.tp > 1:
-        from autopar.runtime_tp import tensor_parallel_captured
-
-        gm, partial = tensor_parallel_captured(captured, plan, mesh["tp"])
-    fill_layers(gm)
-    names = [layer.name for layer in captured.layers]
+    gm, names, partial = rewritten_graph(model, plan, mesh["tp"])
     chunks = stage_chunks(names, [s.layers for s in plan.stages], st.virtual_stages)
     rank = mesh["pp"].get_local_rank()
     mine = [c for c in range(len(chunks)) if c % st.pp == rank]
     parts = split_stages(gm, lambda n: names[n.meta["autopar.layer"]], chunks, keep=mine)
-    choices = {name: r for s in plan.stages for name, r in s.recompute}
-    stages = {c: recompute_blocks(outline_blocks(parts[c], names), choices) for c in mine}
+    stages = {c: recompute_blocks(outline_blocks(parts[c], names), plan.recompute) for c in mine}
     tied = tied_groups(shared_params(gm, chunks, names), mesh, st.pp)
     return stages, partial, tied, len(chunks)
 
@@ -427,14 +433,15 @@ def parallelize_pp(
         autocast = None
         for stage in stages.values():
             shard_over_dp(stage, plan, mesh["dp"], half)
-    device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else None
+    cuda = device_type() == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta:  # allocate this rank's stages only; the weights come from a checkpoint
         for stage in stages.values():
-            materialize(stage, device or torch.device("cpu"))
+            materialize(stage, device)
     group = mesh["pp"].get_group()
     pipes = [
-        pipelining.PipelineStage(stage, c, n_chunks, device or torch.device("cpu"), group=group)
+        pipelining.PipelineStage(stage, c, n_chunks, device, group=group)
         for c, stage in sorted(stages.items())
     ]
     cls = getattr(pipelining, SCHEDULES[st.schedule])
@@ -445,6 +452,8 @@ def parallelize_pp(
     )
     ordered = [stages[c] for c in sorted(stages)]
     params = {fqn(n): p for s in ordered for n, p in s.named_parameters()}
+    for shared in tied:
+        shared.params = [params[n] for n in shared.names]
     return PipelineModel(
         stages=ordered,  # type: ignore[arg-type]
         optimizer=StageOptimizers([optimizer_cls(s.parameters(), **kwargs) for s in ordered]),
@@ -469,5 +478,6 @@ __all__ = [
     "materialize",
     "parallelize_pp",
     "recompute_blocks",
+    "rewritten_graph",
     "shard_over_dp",
 ]

@@ -11,7 +11,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.errors import AutoparError
-from autopar.graph import CapturedModel, capture
+from autopar.graph import CapturedModel
 from autopar.passes.tensor_parallel import PARTIAL_GRAD, tensor_parallel
 from autopar.passes.tp_rules import SHARDING, OpStrategy, propagate, strategies
 from autopar.plan import Plan
@@ -106,17 +106,14 @@ def parallelize_tp(
     (``reshard_after_forward=False``), ZeRO 3 reshards them."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.passes.pipeline_split import fill_layers, outline_blocks
-    from autopar.runtime_pp import fqn, recompute_blocks, shard_over_dp
+    from autopar.passes.pipeline_split import outline_blocks
+    from autopar.runtime_pp import fqn, recompute_blocks, rewritten_graph, shard_over_dp
 
     st = plan.strategy
     mesh = init_device_mesh(device_type(), (st.dp, st.tp), mesh_dim_names=("dp", "tp"))
-    captured = capture(model, batch=st.micro_batch, seq=st.seq)
-    gm, partial = tensor_parallel_captured(captured, plan, mesh["tp"])
+    gm, names, partial = rewritten_graph(model, plan, mesh["tp"])
     # blocks become submodules at their own paths: FSDP2 shards them, checkpoint_wrapper recomputes
-    names = [layer.name for layer in captured.layers]
-    choices = {name: r for s in plan.stages for name, r in s.recompute}
-    gm = recompute_blocks(outline_blocks(fill_layers(gm), names), choices)
+    gm = recompute_blocks(outline_blocks(gm, names), plan.recompute)
     half = compute_dtype(model, plan)
     autocast = None
     if st.dp > 1:

@@ -135,15 +135,6 @@ def reshard(
     return sum(_ring_s(kind, size_bytes, t, link) for kind, _ in steps), steps
 
 
-def splits_evenly(n: fx.Node, placement: str, t: int) -> bool:
-    """Whether ``n``'s value can take ``placement`` at TP degree ``t``: a split dim must divide
-    by t (a 2-KV-head tensor cannot be sliced 4 ways: GQA with fewer KV heads than t keeps the
-    KV projections whole and slices heads after they are repeated)."""
-    d = shard_dim(placement)
-    shape = n.meta.get("autopar.shape", ())
-    return d is None or (d < len(shape) and shape[d] % t == 0)
-
-
 LOSS = "(loss)"
 """``Collective.at`` of the vocabulary-parallel cross-entropy's reductions."""
 
@@ -323,8 +314,6 @@ def choose_layer(
                 )
                 for a, have in pairs:
                     c, _ = reshard(have, need, size, t, link, grad=u.name in grads)
-                    if not splits_evenly(u, need, t):  # e.g. 2 KV heads sliced 4 ways
-                        c = INFEASIBLE
                     active = x[v, b] if a is None else x[u, a] + x[v, b] - 1
                     tag = f"{u.name}_{v.name}_{slot}_{a}_{b}"
                     if c == INFEASIBLE:

@@ -18,8 +18,7 @@ import argparse
 import sys
 
 import torch
-import torch.distributed as dist
-from timing import alternate, join, run_two  # benchmarks/timing.py
+from timing import alternate, join, report, run_two  # benchmarks/timing.py
 from torch import nn
 
 from autopar import Cluster
@@ -96,10 +95,7 @@ def worker(rank: int, init: str, plan_json: str, steps: int, out: str) -> None:
         opt.zero_grad(set_to_none=True)
 
     pm = parallelize(make_model(), plan)
-    times = alternate({"hand": hand_step, "autopar": pm.train_step}, data)
-    if rank == 0:
-        torch.save(times, out)
-    dist.destroy_process_group()
+    report(rank, alternate({"hand": hand_step, "autopar": pm.train_step}, data), out)
 
 
 def main() -> int:

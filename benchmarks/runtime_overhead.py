@@ -14,8 +14,7 @@ import argparse
 import sys
 
 import torch
-import torch.distributed as dist
-from timing import alternate, join, run_two  # benchmarks/timing.py
+from timing import alternate, join, report, run_two  # benchmarks/timing.py
 
 from autopar import Cluster
 from autopar.costing import profile_fn
@@ -64,9 +63,7 @@ def worker(rank: int, init: str, plans: dict[str, str], steps: int, out: str) ->
     opt3 = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
     pm3 = parallelize(make_model(), Plan.from_json(plans["zero3"]))
     timed_pair(("hand FSDP2", "autopar ZeRO-3"), (lambda b: hand_step(fsdp, opt3, b), pm3.train_step))
-    if rank == 0:
-        torch.save(times, out)
-    dist.destroy_process_group()
+    report(rank, times, out)
 
 
 def main() -> int:

@@ -143,7 +143,7 @@ def split_stages(
     for n in nodes:
         if n not in chunk or n.op == "output" or n not in dep:
             continue
-        readers = [chunk[u] for u in n.users if u in chunk and u in dep]
+        readers = [chunk[u] for u in n.users if u in chunk]  # (readers of n depend on the input too)
         for b in range(chunk[n], max(readers, default=chunk[n])):
             live[b].append(n)
     stages: dict[int, fx.GraphModule] = {}
@@ -276,17 +276,15 @@ def _subgraph(
 def fill_layers(gm: fx.GraphModule) -> fx.GraphModule:
     """Annotate ``autopar.layer`` on nodes a later pass inserted (tensor-parallel collectives,
     ``to_local`` reads): the earliest layer among their users (a placement change runs where
-    its result is consumed)."""
-    for n in reversed(list(gm.graph.nodes)):
+    its result is consumed); the last layer if no user has one."""
+    nodes = list(gm.graph.nodes)
+    last = max((int(n.meta.get("autopar.layer", 0)) for n in nodes), default=0)
+    for n in reversed(nodes):
         if n.op in ("placeholder", "output", "get_attr") or "autopar.layer" in n.meta:
             continue
         users = [u.meta["autopar.layer"] for u in n.users if "autopar.layer" in u.meta]
-        n.meta["autopar.layer"] = min(users, default=max_layer(gm))
+        n.meta["autopar.layer"] = min(users, default=last)
     return gm
-
-
-def max_layer(gm: fx.GraphModule) -> int:
-    return max((int(n.meta.get("autopar.layer", 0)) for n in gm.graph.nodes), default=0)
 
 
 def outline_blocks(stage: fx.GraphModule, names: Sequence[str]) -> fx.GraphModule:
@@ -314,6 +312,12 @@ def convex_hull(graph: fx.Graph, members: set[fx.Node]) -> set[fx.Node]:
     return members | (down & up)
 
 
+def is_attention(child: str) -> bool:
+    """Whether a block's child module is its attention, by name (``attn``, ``self_attn``,
+    ``attention``): what selective recomputation recomputes."""
+    return "attn" in child or "attention" in child
+
+
 def outline_attention(block: fx.GraphModule, path: str) -> tuple[fx.GraphModule, str | None]:
     """Outline the attention of the block at ``path`` (its first child module named like
     ``attn``/``attention``) for selective recomputation; returns the block and that child's name."""
@@ -323,7 +327,7 @@ def outline_attention(block: fx.GraphModule, path: str) -> tuple[fx.GraphModule,
         owner = str(n.meta.get("autopar.module", ""))
         if owner.startswith(prefix):
             first = owner[len(prefix) :].split(".")[0]
-            if "attn" in first or "attention" in first:
+            if is_attention(first):
                 child = first
                 break
     if child is None:
@@ -347,6 +351,7 @@ __all__ = [
     "convex_hull",
     "fill_layers",
     "install",
+    "is_attention",
     "outline",
     "outline_attention",
     "outline_blocks",

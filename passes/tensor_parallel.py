@@ -354,7 +354,7 @@ def tensor_parallel(
                     convert(node, src, R)
     # 3. every parameter the graph still reads whole becomes a replicated DTensor read locally
     for node in list(graph.nodes):
-        if node.op == "get_attr" and str(node.target) not in placements and _is_param(gm, str(node.target)):
+        if node.op == "get_attr" and str(node.target) not in placements and is_param(gm, str(node.target)):
             users = [u for u in node.users if not (u.op == "call_method" and u.target == "to_local")]
             if users:
                 _set_param(gm, str(node.target), mesh, Replicate())
@@ -375,7 +375,8 @@ def tensor_parallel(
 _OURS = (tp_copy, tp_reduce, tp_reduce_scatter, tp_gather, tp_slice, tp_chunks, vocab_embedding)
 
 
-def _is_param(gm: fx.GraphModule, fqn: str) -> bool:
+def is_param(gm: fx.GraphModule, fqn: str) -> bool:
+    """Whether ``gm.<fqn>`` is a parameter (not a buffer or a lifted constant)."""
     owner, _, attr = fqn.rpartition(".")
     try:
         mod = gm.get_submodule(owner) if owner else gm
@@ -400,6 +401,7 @@ def _conversion(have: str, need: str, group: str, rank: int, t: int) -> tuple[An
 
 __all__ = [
     "PARTIAL_GRAD",
+    "is_param",
     "tensor_parallel",
     "tp_chunks",
     "tp_copy",

@@ -356,9 +356,9 @@ def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
                 continue
             need = []
             for a in ins:
-                k = _in_dim_for(node, a, d)
-                if k is None:
-                    break
+                k, in_shape = _in_dim_for(node, a, d), _shape(a)
+                if k is None or (k >= 0 and in_shape is not None and in_shape[k] % t):
+                    break  # no such input dim, or it does not split t ways (2 KV heads at tp 4)
                 need.append(R if k == -1 else S(k))
             else:
                 # replicated parameters must broadcast along the sharded dim (a norm's weight

@@ -246,8 +246,8 @@ def make_llama_two_kv_heads() -> torch.nn.Module:
 def test_tp4_gqa_with_fewer_kv_heads_than_ranks(tmp_path) -> None:
     """2 KV heads at tp 4 (seq 32, where attention is worth splitting): the 2 KV heads can't be
     sliced 4 ways, so K and V reach attention whole and each rank takes its query heads' share
-    after they are repeated (a runtime shape error before the ILP checked that a split dim
-    divides by t)."""
+    after they are repeated (a runtime shape error before the follow rule checked that the
+    input dim it splits divides by t)."""
     import autopar
 
     with torch.device("meta"):
