@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from autopar.errors import ClusterSpecError
+from autopar.measurements import CommProfile, ComputeProfile, load_comm, load_compute
 from autopar.units import parse_quantity
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
@@ -98,6 +99,12 @@ class Cluster:
     """Per-GPU link inside a node (NVLink; loopback for ``cpu``)."""
     inter_node: LinkSpec
     """Per-node network between nodes (InfiniBand), shared by the node's GPUs."""
+    compute_profile: ComputeProfile | None = None
+    """Measured layer times (``autopar profile``): used in place of the roofline where they
+    cover a layer type, micro-batch, TP width and dtype."""
+    comm_profile: CommProfile | None = None
+    """Measured collectives (``autopar profile-comm``): used in place of the alpha-beta
+    link model for the collectives and group sizes measured."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.name, str) and self.name != "", "name", "a non-empty string")
@@ -161,6 +168,8 @@ class Cluster:
                 ),
                 intra_node=_link(_require(data, "intra_node", ""), "intra_node"),
                 inter_node=_link(_require(data, "inter_node", ""), "inter_node"),
+                compute_profile=_profile(data.get("compute_profile"), load_compute, ComputeProfile),
+                comm_profile=_profile(data.get("comm_profile"), load_comm, CommProfile),
             )
         except ClusterSpecError:
             raise
@@ -179,10 +188,32 @@ class Cluster:
             raise ClusterSpecError(f"cluster file {os.fspath(path)!r} is not valid YAML: {e}") from None
         if data is None:
             raise ClusterSpecError(f"cluster file {os.fspath(path)!r} is empty")
+        if isinstance(data, dict):  # profile paths are relative to the YAML file
+            for key in ("compute_profile", "comm_profile"):
+                if isinstance(data.get(key), str):
+                    data[key] = os.path.join(os.path.dirname(os.fspath(path)), data[key])
         try:
             return cls.from_dict(data)
         except ClusterSpecError as e:
             raise ClusterSpecError(f"{os.fspath(path)}: {e}") from None
+
+    def from_profile(
+        self,
+        *,
+        compute: str | os.PathLike[str] | ComputeProfile | None = None,
+        comm: str | os.PathLike[str] | CommProfile | None = None,
+    ) -> Cluster:
+        """This cluster with measured numbers attached (paths or loaded profiles):
+        ``Cluster.preset("cpu").from_profile(compute="profile.json", comm="comm.json")``."""
+        if isinstance(compute, (str, os.PathLike)):
+            compute = load_compute(compute)
+        if isinstance(comm, (str, os.PathLike)):
+            comm = load_comm(comm)
+        return dataclasses.replace(
+            self,
+            compute_profile=compute if compute is not None else self.compute_profile,
+            comm_profile=comm if comm is not None else self.comm_profile,
+        )
 
     @classmethod
     def load(cls, spec: str, *, nodes: int | None = None, gpus_per_node: int | None = None) -> Cluster:
@@ -198,8 +229,19 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of base-unit numbers; ``Cluster.from_dict(c.to_dict()) == c``."""
-        d = dataclasses.asdict(self)
+        d = {
+            f.name: dataclasses.asdict(getattr(self, f.name))
+            if dataclasses.is_dataclass(getattr(self, f.name))
+            else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+        }
         d["device"]["peak_flops"] = dict(self.device.peak_flops)
+        for key in ("compute_profile", "comm_profile"):
+            profile = getattr(self, key)
+            if profile is None:
+                del d[key]
+            else:
+                d[key] = profile.to_dict()
         return d
 
     def to_yaml(self, path: str | os.PathLike[str]) -> None:
@@ -289,6 +331,15 @@ def _link(x: object, field: str) -> LinkSpec:
         return LinkSpec(bandwidth_bytes_per_s=bw, latency_s=lat)
     except ClusterSpecError as e:
         raise ClusterSpecError(f"{field}.{e}") from None
+
+
+def _profile(x: object, load: Callable[[str], Any], cls: Any) -> Any:
+    """A measured profile given inline (a mapping, as ``to_dict`` writes it) or as a path."""
+    if x is None:
+        return None
+    if isinstance(x, str):
+        return load(x)
+    return cls.from_dict(_mapping(x, cls.__name__))
 
 
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

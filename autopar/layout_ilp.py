@@ -78,7 +78,8 @@ def solve_layout(
     rounds = m + (p - 1) / v
     prob += rounds * slowest + dp_time + opt_time + rounds * terms.p2p_s * ts, "step_time_s"
     prob += pulp.lpSum(n.values()) == blocks, "every_block_placed"
-    lat, spb, mb = terms.lat_s * ts, terms.s_per_byte * ts, m
+    lat, spb, mb = terms.lat_s * ts, terms.s_per_byte * ts, m  # all-gather
+    rlat, rspb = terms.rs_lat_s * ts, terms.rs_s_per_byte * ts  # reduce-scatter
     for k in range(p):
         fixed = [u for u, here in ((terms.embed, k == 0), (terms.head, k == p - 1)) if here]
         count = pulp.lpSum(n[k, r] for r in choices)
@@ -111,13 +112,14 @@ def solve_layout(
         overlap = bwd_k - terms.block["none"].bwd_s * ts
         hinge = pulp.LpVariable(f"dp_hidden_excess_{k}", lowBound=0)
         if st.zero == 0:  # gradient all-reduce beyond what backward hides
-            prob += hinge >= 2 * lat + 2 * spb * grad - overlap, f"dp_allreduce_{k}"
+            all_reduce = (terms.ar_lat_s + terms.ar_s_per_byte * grad) * ts
+            prob += hinge >= all_reduce - overlap, f"dp_allreduce_{k}"
             prob += dp_time >= hinge, f"dp_exposed_{k}"
         elif st.zero in (
             1,
             2,
         ):  # reduce-scatter beyond the overlap (per micro-batch in ZeRO-2) + weight all-gather
-            rs = spb * grad + (layers_k * lat if st.zero == 2 else lat)
+            rs = rspb * grad + (layers_k * rlat if st.zero == 2 else rlat)
             prob += hinge >= rs - overlap, f"zero_reduce_scatter_{k}"
             prob += dp_time >= (mb if st.zero == 2 else 1) * hinge + lat + spb * weights, f"dp_exposed_{k}"
         else:  # ZeRO-3: weight gathers beyond forward / backward compute, every micro-batch
@@ -132,8 +134,8 @@ def solve_layout(
                     gather_b
                     >= (layers_k + full_layers) * lat
                     + spb * (weights + full_w)
-                    + layers_k * lat
-                    + spb * grad
+                    + layers_k * rlat
+                    + rspb * grad
                     - bwd_k
                 ),
                 f"zero3_backward_gather_reduce_{k}",

@@ -202,6 +202,7 @@ def lower_bound_s(
     edges = (terms.embed, terms.head)
     average = RankLoad(
         fwd_s=(blocks * u.fwd_s + sum(e.fwd_s for e in edges)) / st.pp,
+        bwd_compute_s=(blocks * u.bwd_compute_s + sum(e.bwd_compute_s for e in edges)) / st.pp,
         recompute_s=0.0,
         tp_s=0.0,
         bwd_s=(blocks * longest.bwd_s + sum(e.bwd_s for e in edges)) / st.pp,

@@ -15,6 +15,10 @@ mesh axis at the same moment, so all gpus_per_node GPUs of a node share it:
 each gets inter_bw / gpus_per_node (on a DGX, its own NIC: 200 Gb/s of
 8×200 Gb/s). NCCL's multi-ring all-reduce can do better than this for a
 single group that owns whole nodes; the model does not assume it.
+
+Measured collectives (``autopar profile-comm``, attached with ``Cluster.from_profile``)
+replace these formulas for the collectives and group sizes they cover: each fit is
+time(S) = a + b·S with a and b fitted to the timings, S the same full size as above.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
+from autopar.measurements import COLLECTIVES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,57 +39,97 @@ class GroupLink:
     """Per-message latency of the slowest hop."""
     crosses_nodes: bool
     """True when the group spans more than one node."""
+    measured: tuple[tuple[str, float, float], ...] = ()
+    """(collective, a, b) fits time(S) = a + b·S measured for this group (profile-comm)."""
+
+    def fit(self, collective: str) -> tuple[float, float] | None:
+        """The measured (a, b) of ``collective`` on this group, or None."""
+        for name, a, b in self.measured:
+            if name == collective:
+                return a, b
+        return None
 
 
 def group_link(cluster: Cluster, *, size: int, stride: int) -> GroupLink:
-    """Link of a group of ``size`` ranks spaced ``stride`` apart (ranks fill nodes in order)."""
+    """Link of a group of ``size`` ranks spaced ``stride`` apart (ranks fill nodes in order),
+    with the cluster's measured fits for groups of this size attached."""
     assert size >= 1 and stride >= 1
     gpn = cluster.gpus_per_node
-    if size == 1 or stride * size <= gpn:
+    crosses = not (size == 1 or stride * size <= gpn)
+    measured: list[tuple[str, float, float]] = []
+    if cluster.comm_profile is not None and size > 1:
+        for name in COLLECTIVES:
+            f = cluster.comm_profile.fit(
+                name, group_size=2 if name == "send_recv" else size, crosses_nodes=crosses
+            )
+            if f is not None:
+                measured.append((name, f.latency_s, f.seconds_per_byte))
+    if not crosses:
         link = cluster.intra_node
         return GroupLink(
             bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
             latency_s=link.latency_s,
             crosses_nodes=False,
+            measured=tuple(measured),
         )
     per_group = cluster.inter_node.bandwidth_bytes_per_s / gpn
     return GroupLink(
         bandwidth_bytes_per_s=min(cluster.intra_node.bandwidth_bytes_per_s, per_group),
         latency_s=cluster.inter_node.latency_s,
         crosses_nodes=True,
+        measured=tuple(measured),
     )
 
 
-def allreduce_time_s(size_bytes: float, n: int, link: GroupLink) -> float:
-    """Ring all-reduce: 2(n−1)·α + 2(n−1)/n·S/β (0 for a single rank)."""
+def unmeasured(link: GroupLink, n: int, collectives: tuple[str, ...]) -> list[str]:
+    """The ``collectives`` this group of n ranks uses that were not measured (for notes)."""
+    if n <= 1:
+        return []
+    return [c for c in collectives if link.fit(c) is None]
+
+
+def coefficients(collective: str, n: int, link: GroupLink) -> tuple[float, float]:
+    """(a, b) with time(S) = a + b·S for ``collective`` over n ranks: the measured fit, else
+    the ring's (n−1)·α and (n−1)/(n·β) for an all-gather or reduce-scatter, twice both for an
+    all-reduce, (α, 1/β) for a send/recv. (0, 0) for a single rank."""
+    if n <= 1:
+        return 0.0, 0.0
+    got = link.fit(collective)
+    if got is not None:
+        return got
+    if collective == "send_recv":
+        return link.latency_s, 1 / link.bandwidth_bytes_per_s
+    lat, spb = (n - 1) * link.latency_s, (n - 1) / n / link.bandwidth_bytes_per_s
+    return (2 * lat, 2 * spb) if collective == "all_reduce" else (lat, spb)
+
+
+def _time_s(collective: str, size_bytes: float, n: int, link: GroupLink) -> float:
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * size_bytes / link.bandwidth_bytes_per_s
+    a, b = coefficients(collective, n, link)
+    return a + b * size_bytes
+
+
+def allreduce_time_s(size_bytes: float, n: int, link: GroupLink) -> float:
+    """Ring all-reduce: 2(n−1)·α + 2(n−1)/n·S/β (0 for a single rank), or the measured fit."""
+    return _time_s("all_reduce", size_bytes, n, link)
 
 
 def allgather_time_s(size_bytes: float, n: int, link: GroupLink) -> float:
-    """Ring all-gather of a ``size_bytes`` result: (n−1)·α + (n−1)/n·S/β."""
-    if n <= 1 or size_bytes <= 0:
-        return 0.0
-    latency_s, s_per_byte = allgather_coefficients(n, link)
-    return latency_s + s_per_byte * size_bytes
+    """Ring all-gather of a ``size_bytes`` result: (n−1)·α + (n−1)/n·S/β, or the measured fit."""
+    return _time_s("all_gather", size_bytes, n, link)
 
 
 def allgather_coefficients(n: int, link: GroupLink) -> tuple[float, float]:
-    """(latency (n−1)·α, seconds per byte (n−1)/(n·β)) of a ring all-gather or reduce-scatter;
-    an all-reduce costs twice both. (0, 0) for a single rank."""
-    if n <= 1:
-        return 0.0, 0.0
-    return (n - 1) * link.latency_s, (n - 1) / n / link.bandwidth_bytes_per_s
+    """(latency, seconds per byte) of an all-gather: ((n−1)·α, (n−1)/(n·β)) on a ring."""
+    return coefficients("all_gather", n, link)
 
 
 def reduce_scatter_time_s(size_bytes: float, n: int, link: GroupLink) -> float:
-    """Ring reduce-scatter of a ``size_bytes`` input: same cost as the all-gather."""
-    return allgather_time_s(size_bytes, n, link)
+    """Ring reduce-scatter of a ``size_bytes`` input: the all-gather's cost, or the measured fit."""
+    return _time_s("reduce_scatter", size_bytes, n, link)
 
 
 def p2p_time_s(size_bytes: float, link: GroupLink) -> float:
-    """One send/recv: α + S/β."""
-    if size_bytes <= 0:
-        return 0.0
-    return link.latency_s + size_bytes / link.bandwidth_bytes_per_s
+    """One send/recv: α + S/β, or the measured fit."""
+    return _time_s("send_recv", size_bytes, 2, link)

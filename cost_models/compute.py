@@ -1,4 +1,5 @@
-"""Compute time of a layer: per-op roofline, or a measured table when one is supplied.
+"""Compute time of a layer: per-op roofline (a measured profile, where the cluster has one,
+replaces it in ``terms.layer_units``).
 
 Roofline (Williams et al. 2009): a kernel takes
 max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth), where achievable
@@ -11,18 +12,8 @@ Backward ≈ 2× forward (Narayanan et al. SC'21, §3.5) unless measured.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from autopar.cluster import DeviceSpec
 from autopar.cost_models.profile import LayerCost
-
-
-class MeasuredCompute(Protocol):
-    """A measured table of forward times (the profiler's output implements this)."""
-
-    def forward_s(self, layer_type: str, *, micro_batch: int, seq: int, tp: int, sp: bool) -> float | None:
-        """Measured forward seconds of one layer, or None where not measured."""
-        ...
 
 
 def roofline_time_s(flops: float, mem_bytes: float, *, flops_per_s: float, bytes_per_s: float) -> float:

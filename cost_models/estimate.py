@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import Cluster
-from autopar.cost_models.compute import MeasuredCompute
+from autopar.cost_models import comm
 from autopar.cost_models.profile import ModelProfile
 from autopar.cost_models.strategy import Strategy, check_strategy
 from autopar.cost_models.terms import build_terms, dp_exposed_s, rank_load, rank_memory_terms
@@ -113,7 +113,6 @@ def estimate(
     cluster: Cluster,
     strategy: Strategy,
     *,
-    measured: MeasuredCompute | None = None,
     reserve_bytes: float | None = None,
 ) -> Estimate:
     """Price ``strategy`` for ``profile`` on ``cluster`` (see module doc for the model)."""
@@ -124,22 +123,14 @@ def estimate(
             f"profile captured at micro-batch {profile.micro_batch}, seq {profile.seq}; "
             f"strategy has {st.micro_batch}, {st.seq}"
         )
-    terms = build_terms(profile, cluster, st, measured=measured, reserve_bytes=reserve_bytes)
+    terms = build_terms(profile, cluster, st, reserve_bytes=reserve_bytes)
     notes: list[str] = []
     if terms.tp_crosses_nodes:
         notes.append(f"tp={st.tp} spans nodes: its collectives use the inter-node network")
     if terms.dp_crosses_nodes:
         per_gpu = cluster.inter_node.bandwidth_bytes_per_s / cluster.gpus_per_node
         notes.append(f"dp={st.dp} spans nodes ({per_gpu / 1e9:.0f} GB/s per GPU)")
-    if measured is not None:
-        for name in profile.layer_types:
-            if (
-                measured.forward_s(
-                    name, micro_batch=st.micro_batch, seq=st.seq, tp=st.tp, sp=st.sequence_parallel
-                )
-                is None
-            ):
-                notes.append(f"{name}: not in the measured profile, roofline used")
+    notes.extend(measurement_notes(profile, cluster, st))
 
     counts = st.blocks_per_rank(profile.blocks)
     loads = [rank_load(terms, k, c) for k, c in enumerate(counts)]
@@ -186,6 +177,49 @@ def estimate(
         stage_layers=tuple(tuple(names) for names in stage_layer_names(profile, st)),
         notes=tuple(notes),
     )
+
+
+def measurement_notes(profile: ModelProfile, cluster: Cluster, st: Strategy) -> list[str]:
+    """What a cluster with measured profiles still prices analytically for ``st`` (empty when
+    it has none: then everything is analytic, as the preset says)."""
+    notes: list[str] = []
+    measured = cluster.compute_profile
+    if measured is not None:
+        measured.check_model({k: v.params for k, v in profile.layer_types.items()}, seq=st.seq)
+        missing = [
+            name
+            for name in profile.layer_types
+            if measured.timing(
+                name,
+                micro_batch=st.micro_batch,
+                seq=st.seq,
+                tp=st.tp,
+                sp=st.sequence_parallel,
+                dtype=st.dtype,
+            )
+            is None
+        ]
+        if missing:
+            sp = " sp" if st.sequence_parallel and st.tp > 1 else ""
+            notes.append(
+                f"compute of {', '.join(missing)} at micro-batch {st.micro_batch}, tp {st.tp}{sp}, "
+                f"{st.dtype} not measured: roofline used"
+            )
+        if measured.dtype != st.dtype:
+            notes.append(f"optimizer not measured for {st.dtype}: HBM-bandwidth model used")
+    if cluster.comm_profile is not None:
+        gaps = []
+        uses = (
+            ("tp", st.tp, 1, ("all_gather", "reduce_scatter") if st.sequence_parallel else ("all_reduce",)),
+            ("dp", st.dp, st.tp, ("all_reduce",) if st.zero == 0 else ("all_gather", "reduce_scatter")),
+            ("pp", st.pp, st.tp * st.dp, ("send_recv",)),
+        )
+        for axis, size, stride, collectives in uses:
+            link = comm.group_link(cluster, size=size, stride=stride)
+            gaps += [f"{c} over {axis} {size}" for c in comm.unmeasured(link, size, collectives)]
+        if gaps:
+            notes.append(f"not measured, alpha-beta model used: {', '.join(gaps)}")
+    return notes
 
 
 def stage_layer_names(profile: ModelProfile, st: Strategy) -> list[list[str]]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.cost_models import comm
-from autopar.cost_models.compute import MeasuredCompute, layer_forward_s
+from autopar.cost_models.compute import layer_forward_s
 from autopar.cost_models.memory import (
     STATE_BYTES,
     inflight_stage_copies,
@@ -43,6 +43,8 @@ class Unit:
 
     fwd_s: float
     """Forward compute."""
+    bwd_compute_s: float
+    """Backward compute without recomputation (measured, or 2× forward)."""
     recompute_s: float
     """Compute redone in backward (a forward for full, the attention core for selective)."""
     tp_s: float
@@ -60,13 +62,13 @@ class Unit:
 
     @property
     def compute_s(self) -> float:
-        """Forward + backward (≈ 2× forward, Narayanan et al. SC'21 §3.5)."""
-        return 3 * self.fwd_s
+        """Forward + backward (backward ≈ 2× forward, Narayanan et al. SC'21 §3.5, unless measured)."""
+        return self.fwd_s + self.bwd_compute_s
 
     @property
     def bwd_s(self) -> float:
         """Backward including recomputation."""
-        return 2 * self.fwd_s + self.recompute_s
+        return self.bwd_compute_s + self.recompute_s
 
     @property
     def time_s(self) -> float:
@@ -93,9 +95,17 @@ class Terms:
     weight_bytes: int
     grad_bytes: int
     lat_s: float
-    """Ring latency (dp−1)·α of one all-gather/reduce-scatter over the DP group."""
+    """Latency of one all-gather over the DP group (ring: (dp−1)·α)."""
     s_per_byte: float
-    """(dp−1)/(dp·β) of one all-gather/reduce-scatter over the DP group."""
+    """Seconds per byte of one all-gather over the DP group (ring: (dp−1)/(dp·β))."""
+    rs_lat_s: float
+    """The same for one reduce-scatter (equal on a ring; measured separately)."""
+    rs_s_per_byte: float
+    """Seconds per byte of one reduce-scatter."""
+    ar_lat_s: float
+    """Latency of one all-reduce over the DP group (ring: 2(dp−1)·α)."""
+    ar_s_per_byte: float
+    """Seconds per byte of one all-reduce (ring: 2(dp−1)/(dp·β))."""
     opt_s_per_param: float
     """Optimizer seconds per parameter on a GPU (÷ dp under ZeRO ≥ 1)."""
     loss_bytes: float
@@ -115,10 +125,14 @@ def layer_units(
     profile: ModelProfile,
     cluster: Cluster,
     st: Strategy,
-    *,
-    measured: MeasuredCompute | None = None,
 ) -> Units:
-    """Per-layer units; they depend only on tp, sequence parallelism, dtype and the profile."""
+    """Per-layer units; they depend only on tp, sequence parallelism, dtype and the profile.
+
+    Where the cluster carries a measured compute profile covering the layer type at this
+    micro-batch, width and dtype, its forward and backward times replace the roofline.
+    Tensor-parallel communication per layer: the forward's all-reduces and backward's (an
+    all-gather + reduce-scatter each under sequence parallelism), one more forward under
+    full recompute."""
     device, t, sp = cluster.device, st.tp, st.sequence_parallel
     rate = device.achievable_flops(st.dtype)
     tp_link = comm.group_link(cluster, size=t, stride=1)
@@ -129,19 +143,27 @@ def layer_units(
         )
     (block_type,) = block_types
 
+    measured = cluster.compute_profile
+
     def unit(name: str, recompute: str) -> Unit:
         lc = profile.layer_types[name]
         got = (
-            measured.forward_s(name, micro_batch=st.micro_batch, seq=st.seq, tp=t, sp=sp)
+            measured.timing(name, micro_batch=st.micro_batch, seq=st.seq, tp=t, sp=sp, dtype=st.dtype)
             if measured
             else None
         )
-        fwd = got if got is not None else layer_forward_s(lc, device, st.dtype, tp=t, sp=sp)
-        tp_one = comm.allreduce_time_s(lc.tp_reduce_bytes, t, tp_link)
+        fwd = got.forward_s if got else layer_forward_s(lc, device, st.dtype, tp=t, sp=sp)
+        if sp:
+            tp_one = comm.allgather_time_s(lc.tp_reduce_bytes, t, tp_link) + comm.reduce_scatter_time_s(
+                lc.tp_reduce_bytes, t, tp_link
+            )
+        else:
+            tp_one = comm.allreduce_time_s(lc.tp_reduce_bytes, t, tp_link)
         rc_flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}
         full_act = layer_activation_bytes(lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes)
         return Unit(
             fwd_s=fwd,
+            bwd_compute_s=got.backward_s if got else 2 * fwd,
             recompute_s=fwd if recompute == "full" else rc_flops[recompute] / t / rate,
             tp_s=tp_one * (3 if recompute == "full" else 2),
             act_bytes=layer_activation_bytes(
@@ -162,20 +184,22 @@ def build_terms(
     cluster: Cluster,
     st: Strategy,
     *,
-    measured: MeasuredCompute | None = None,
     reserve_bytes: float | None = None,
     units: Units | None = None,
 ) -> Terms:
     """The coefficients for ``st``'s outer knobs (its layout is ignored)."""
     device, t = cluster.device, st.tp
     tp_link = comm.group_link(cluster, size=t, stride=1)
-    blocks, embed, head = units or layer_units(profile, cluster, st, measured=measured)
+    blocks, embed, head = units or layer_units(profile, cluster, st)
     block_type = profile.layers[1]
     p, v, m = st.pp, st.virtual_stages, st.micro_batches
     p2p_bytes = st.micro_batch * st.seq * profile.hidden * profile.act_bytes / t  # scatter/gather: ÷t
     pp_link = comm.group_link(cluster, size=p, stride=t * st.dp)
     dp_link = comm.group_link(cluster, size=st.dp, stride=t)
-    lat, s_per_byte = comm.allgather_coefficients(st.dp, dp_link)
+    lat, s_per_byte = comm.coefficients("all_gather", st.dp, dp_link)
+    rs_lat, rs_s_per_byte = comm.coefficients("reduce_scatter", st.dp, dp_link)
+    ar_lat, ar_s_per_byte = comm.coefficients("all_reduce", st.dp, dp_link)
+    measured = cluster.compute_profile
     w, g, k = STATE_BYTES[st.dtype]
     shard = st.dp
     state = (
@@ -207,8 +231,15 @@ def build_terms(
         grad_bytes=GRAD_REDUCE_BYTES[st.dtype],
         lat_s=lat,
         s_per_byte=s_per_byte,
-        opt_s_per_param=ADAM_BYTES_PER_PARAM
-        / device.hbm_bandwidth_bytes_per_s
+        rs_lat_s=rs_lat,
+        rs_s_per_byte=rs_s_per_byte,
+        ar_lat_s=ar_lat,
+        ar_s_per_byte=ar_s_per_byte,
+        opt_s_per_param=(
+            measured.optimizer_s_per_param
+            if measured is not None and measured.dtype == st.dtype
+            else ADAM_BYTES_PER_PARAM / device.hbm_bandwidth_bytes_per_s
+        )
         / (shard if st.zero >= 1 else 1),
         loss_bytes=st.micro_batch * st.seq * profile.vocab / t * 8,
         buffers=tuple(buffers),
@@ -227,6 +258,7 @@ class RankLoad:
     """Sums of unit terms over the layers one rank holds."""
 
     fwd_s: float
+    bwd_compute_s: float
     recompute_s: float
     tp_s: float
     bwd_s: float
@@ -240,7 +272,7 @@ class RankLoad:
 
     @property
     def compute_s(self) -> float:
-        return 3 * self.fwd_s
+        return self.fwd_s + self.bwd_compute_s
 
     @property
     def time_s(self) -> float:
@@ -257,6 +289,7 @@ def rank_load(terms: Terms, rank: int, counts: tuple[int, int, int]) -> RankLoad
     full = terms.block["full"]
     return RankLoad(
         fwd_s=sum(u.fwd_s * n for u, n in units),
+        bwd_compute_s=sum(u.bwd_compute_s * n for u, n in units),
         recompute_s=sum(u.recompute_s * n for u, n in units),
         tp_s=sum(u.tp_s * n for u, n in units),
         bwd_s=sum(u.bwd_s * n for u, n in units),
@@ -272,30 +305,33 @@ def rank_load(terms: Terms, rank: int, counts: tuple[int, int, int]) -> RankLoad
 def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     """Data-parallel / ZeRO time this rank cannot hide (the overlap rule in estimate's doc).
 
-    With L = layers on the rank, α' = (dp−1)·α and σ = (dp−1)/(dp·β) of one ring
-    all-gather/reduce-scatter (an all-reduce costs 2α' + 2σS), G gradient bytes,
+    With L = layers on the rank, one all-gather of S bytes costs α_g + σ_g·S, one
+    reduce-scatter α_r + σ_r·S and one all-reduce α_a + σ_a·S (ring: α_g = α_r = (dp−1)·α,
+    σ_g = σ_r = (dp−1)/(dp·β), α_a = 2α_g, σ_a = 2σ_g; or measured), G gradient bytes,
     W weight bytes, and overlap O = backward − one block's backward:
-      ZeRO-0  max(0, 2α' + 2σG − O)
-      ZeRO-1  max(0, α' + σG − O) + α' + σW
-      ZeRO-2  m·max(0, Lα' + σG − O) + α' + σW
-      ZeRO-3  m·[max(0, Lα' + σW − fwd) + max(0, (L + L_full)α' + σ(W + W_full) + Lα' + σG − bwd)]
+      ZeRO-0  max(0, α_a + σ_a·G − O)
+      ZeRO-1  max(0, α_r + σ_r·G − O) + α_g + σ_g·W
+      ZeRO-2  m·max(0, L·α_r + σ_r·G − O) + α_g + σ_g·W
+      ZeRO-3  m·[max(0, L·α_g + σ_g·W − fwd)
+                 + max(0, (L + L_full)·α_g + σ_g·(W + W_full) + L·α_r + σ_r·G − bwd)]
     """
     st, lat, spb = terms.strategy, terms.lat_s, terms.s_per_byte
+    rlat, rspb = terms.rs_lat_s, terms.rs_s_per_byte
     if st.dp == 1:
         return 0.0
     grad, weights = load.params * terms.grad_bytes, load.params * terms.weight_bytes
     overlap = load.bwd_s - terms.block["none"].bwd_s
     m = st.micro_batches
     if st.zero == 0:
-        return max(0.0, 2 * lat + 2 * spb * grad - overlap)
+        return max(0.0, terms.ar_lat_s + terms.ar_s_per_byte * grad - overlap)
     if st.zero == 1:
-        return max(0.0, lat + spb * grad - overlap) + lat + spb * weights
+        return max(0.0, rlat + rspb * grad - overlap) + lat + spb * weights
     if st.zero == 2:
-        return m * max(0.0, load.layers * lat + spb * grad - overlap) + lat + spb * weights
+        return m * max(0.0, load.layers * rlat + rspb * grad - overlap) + lat + spb * weights
     full_w = load.full_params * terms.weight_bytes
     gather_f = load.layers * lat + spb * weights
     gather_b = (load.layers + load.full_layers) * lat + spb * (weights + full_w)
-    reduce = load.layers * lat + spb * grad
+    reduce = load.layers * rlat + rspb * grad
     return m * (max(0.0, gather_f - load.fwd_s) + max(0.0, gather_b + reduce - load.bwd_s))
 
 
