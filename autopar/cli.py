@@ -1,4 +1,5 @@
-"""The ``autopar`` command line: ``plan``, ``estimate``, ``inspect``, ``models``, ``clusters``.
+"""The ``autopar`` command line: ``plan``, ``estimate``, ``inspect``, ``verify``, ``profile``,
+``profile-comm``, ``calibrate``, ``models``, ``clusters``.
 
 Exit codes: 0 success, 2 user error (one line on stderr, no traceback), 1 bug.
 """
@@ -16,6 +17,7 @@ from rich.table import Table
 
 from autopar.cli_common import count, progress
 from autopar.cli_plan import cmd_plan, cmd_verify
+from autopar.cli_profile import add_parsers, cmd_calibrate, cmd_profile, cmd_profile_comm
 from autopar.errors import AutoparError
 from autopar.units import format_bytes, format_si
 
@@ -52,6 +54,12 @@ def _add_constraint_flags(g: argparse._ArgumentGroup) -> None:
     )
 
 
+def _add_measured_flags(p: argparse.ArgumentParser) -> None:
+    """--profile / --comm: measured numbers in place of the cluster's analytic ones."""
+    p.add_argument("--profile", default=None, help="compute profile JSON from `autopar profile`")
+    p.add_argument("--comm", default=None, help="collective fits JSON from `autopar profile-comm`")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopar", description="Plan and run parallel training for a PyTorch model."
@@ -81,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit in seconds (default 10)")
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    _add_measured_flags(p)
     g = p.add_argument_group("constraints (default: free)")
     _add_constraint_flags(g)
     g.add_argument("--memory-cap-gib", type=float, default=None, help="plan for at most this memory per GPU")
@@ -113,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory kept back per GPU (default 1 GiB + 5%% of device memory)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_measured_flags(p)
 
     p = sub.add_parser("verify", help="run a plan on local gloo processes against single-process training")
     p.add_argument("model", metavar="MODEL", help="zoo name or factory returning a model with real weights")
@@ -137,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(Adam's normalised step turns rounding in near-zero gradients into ±lr moves)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+    add_parsers(sub, _positive)
 
     p = sub.add_parser("models", help="list the built-in models")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -220,7 +232,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
     from autopar.costing import profile_model
     from autopar.models import resolve
 
-    cluster = Cluster.load(args.cluster, nodes=args.nodes)
+    cluster = Cluster.load(args.cluster, nodes=args.nodes).from_profile(compute=args.profile, comm=args.comm)
     seq = args.seq or resolve(args.model, dtype=args.dtype).default_seq
     dp = args.dp
     if dp is None:
@@ -374,6 +386,9 @@ COMMANDS: dict[str, Any] = {
     "inspect": cmd_inspect,
     "estimate": cmd_estimate,
     "verify": cmd_verify,
+    "profile": cmd_profile,
+    "profile-comm": cmd_profile_comm,
+    "calibrate": cmd_calibrate,
     "models": cmd_models,
     "clusters": cmd_clusters,
 }

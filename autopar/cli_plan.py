@@ -47,7 +47,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     from autopar.models import resolve
     from autopar.planner import make_plan
 
-    cluster = Cluster.load(args.cluster, nodes=args.nodes)
+    cluster = Cluster.load(args.cluster, nodes=args.nodes).from_profile(compute=args.profile, comm=args.comm)
     seq = args.seq or resolve(args.model, dtype=args.dtype).default_seq
     constraints = constraints_from_args(
         args, memory_cap_bytes=args.memory_cap_gib * 2**30 if args.memory_cap_gib else None
@@ -199,6 +199,8 @@ def _print_plan(
         f"{pred['tflops_per_gpu']:.1f} TFLOP/s per GPU (MFU {100 * pred['mfu']:.1f}%, "
         f"HFU {100 * pred['hfu']:.1f}%)"
     )
+    for note in pred.get("notes", []):
+        console.print(f"[dim]note: {note}[/dim]")
     console.print(
         f"solved in {result.solve_time_s:.2f} s: {result.ilps_solved} layout ILPs over "
         f"{result.outer_candidates} outer choices; proven gap {100 * plan.optimality_gap:.2f}%"

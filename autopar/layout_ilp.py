@@ -109,26 +109,26 @@ def solve_layout(
         if st.dp == 1:
             continue
         grad, weights = params_k * terms.grad_bytes, params_k * terms.weight_bytes
-        overlap = bwd_k - terms.block["none"].bwd_s * ts
+        kappa = terms.overlap  # share of compute that hides DP collectives
+        overlap = kappa * (bwd_k - terms.block["none"].bwd_s * ts)
         hinge = pulp.LpVariable(f"dp_hidden_excess_{k}", lowBound=0)
-        if st.zero == 0:  # gradient all-reduce beyond what backward hides
+        if st.zero in (0, 1):  # DDP's gradient all-reduce beyond what backward hides
             all_reduce = (terms.ar_lat_s + terms.ar_s_per_byte * grad) * ts
             prob += hinge >= all_reduce - overlap, f"dp_allreduce_{k}"
-            prob += dp_time >= hinge, f"dp_exposed_{k}"
-        elif st.zero in (
-            1,
-            2,
-        ):  # reduce-scatter beyond the overlap (per micro-batch in ZeRO-2) + weight all-gather
-            rs = rspb * grad + (layers_k * rlat if st.zero == 2 else rlat)
+            prob += hinge >= terms.last_bucket_s * ts, f"ddp_last_bucket_{k}"
+            # ZeRO-1: + the updated shards' broadcast (an all-gather of the weights)
+            prob += dp_time >= hinge + (lat + spb * weights if st.zero == 1 else 0), f"dp_exposed_{k}"
+        elif st.zero == 2:  # reduce-scatter beyond the overlap, per micro-batch + weight all-gather
+            rs = rspb * grad + layers_k * rlat
             prob += hinge >= rs - overlap, f"zero_reduce_scatter_{k}"
-            prob += dp_time >= (mb if st.zero == 2 else 1) * hinge + lat + spb * weights, f"dp_exposed_{k}"
+            prob += dp_time >= mb * hinge + lat + spb * weights, f"dp_exposed_{k}"
         else:  # ZeRO-3: weight gathers beyond forward / backward compute, every micro-batch
             full_w = (
                 n[k, "full"] * terms.block["full"].params * terms.weight_bytes if "full" in choices else 0
             )
             full_layers = n[k, "full"] if "full" in choices else 0
             gather_b = pulp.LpVariable(f"zero3_backward_excess_{k}", lowBound=0)
-            prob += hinge >= layers_k * lat + spb * weights - fwd_k, f"zero3_forward_gather_{k}"
+            prob += hinge >= layers_k * lat + spb * weights - kappa * fwd_k, f"zero3_forward_gather_{k}"
             prob += (
                 (
                     gather_b
@@ -136,7 +136,7 @@ def solve_layout(
                     + spb * (weights + full_w)
                     + layers_k * rlat
                     + rspb * grad
-                    - bwd_k
+                    - kappa * bwd_k
                 ),
                 f"zero3_backward_gather_reduce_{k}",
             )

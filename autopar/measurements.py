@@ -86,6 +86,9 @@ class ComputeProfile:
     """Every measurement, sorted by (layer type, micro-batch, tp, sp)."""
     optimizer_s_per_param: float
     """AdamW step seconds per parameter (median, measured on one block's parameters)."""
+    optimizer_dtensor_s_per_param: float | None = None
+    """The same on DTensor parameters (TP-sharded, as under TP and FSDP2, where each tensor
+    pays DTensor's dispatch); None when no TP width > 1 was profiled."""
     version: int = FORMAT_VERSION
     """File format version."""
 
@@ -197,6 +200,11 @@ class CommProfile:
     """``torch.__version__`` of the run."""
     fits: tuple[CollectiveFit, ...]
     """Sorted by (collective, crosses nodes, group size)."""
+    overlap: float = 1.0
+    """Share of a collective's time that compute running at the same moment hides, in [0, 1]:
+    (t_compute + t_comm − t_both) / min(t_compute, t_comm) with an all-reduce issued
+    asynchronously during matmuls. About 1 where the collective has its own engine (NCCL);
+    near 0 where it needs the cores the compute uses (gloo with one rank per core)."""
     version: int = FORMAT_VERSION
     """File format version."""
 

@@ -58,6 +58,8 @@ class LayerCost:
     """Forward FLOPs of ops producing (…, s, s) tensors: redone by selective recompute."""
     tp_reduce_bytes: int
     """Bytes of the row-parallel outputs that TP all-reduces in forward (e.g. 2 per block)."""
+    tp_reduce_count: int = 0
+    """How many row-parallel outputs (collectives) those bytes come in (e.g. 2 per block)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,7 +148,7 @@ def _shape(n: fx.Node) -> tuple[int, ...]:
 
 
 def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) -> LayerCost:
-    ops, stream_b, sharded_b, quad_b, quad_f, tp_bytes = [], 0, 0, 0, 0, 0
+    ops, stream_b, sharded_b, quad_b, quad_f, tp_bytes, tp_count = [], 0, 0, 0, 0, 0, 0
     for n in members:
         if n.op != "call_function":
             continue
@@ -162,6 +164,7 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
         row_parallel = bool(flops) and shape[-1:] == (h,) and _reads_weight(n) and _sharded_input(n, h)
         if row_parallel:
             tp_bytes += _numel(shape) * _elem_bytes(n)
+            tp_count += 1
         # Saved tensors on the residual stream stay whole under TP: the inputs of norms and
         # residual dropouts, and the inputs of column-parallel matmuls. A row-parallel
         # matmul's input is sharded, as are per-head tensors and the 4h MLP activations.
@@ -183,6 +186,7 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
         saved_quadratic_bytes=quad_b,
         quadratic_flops=quad_f,
         tp_reduce_bytes=tp_bytes,
+        tp_reduce_count=tp_count,
     )
 
 

@@ -106,6 +106,11 @@ class Terms:
     """Latency of one all-reduce over the DP group (ring: 2(dp−1)·α)."""
     ar_s_per_byte: float
     """Seconds per byte of one all-reduce (ring: 2(dp−1)/(dp·β))."""
+    overlap: float
+    """Share of compute time that can hide DP collectives (1 unless measured lower)."""
+    last_bucket_s: float
+    """ZeRO-0: the all-reduce of DDP's last gradient bucket, which starts when backward ends
+    (min(25 MiB, the rank's gradients): all of them for a small model)."""
     opt_s_per_param: float
     """Optimizer seconds per parameter on a GPU (÷ dp under ZeRO ≥ 1)."""
     loss_bytes: float
@@ -145,6 +150,27 @@ def layer_units(
 
     measured = cluster.compute_profile
 
+    def collective_s(name: str, size: float, k: int = 1) -> float:
+        a, b = comm.coefficients(name, t, tp_link)
+        return k * (a + b * size)
+
+    def edge_tp_s(name: str) -> float:
+        """Embedding and head under TP (Megatron's vocabulary-parallel pair), per micro-batch:
+        the embedding's partial output is all-reduced (reduce-scattered under SP); the head's
+        input gradient is all-reduced in backward (under SP its input is all-gathered and the
+        gradient reduce-scattered), and the vocabulary-parallel cross-entropy all-reduces
+        three values per row (max, sum of exp, target logit)."""
+        out = st.micro_batch * st.seq * profile.hidden * profile.act_bytes
+        if name == "embed":
+            return collective_s("reduce_scatter" if sp else "all_reduce", out)
+        rows = st.micro_batch * st.seq * 4
+        head = (
+            collective_s("all_gather", out) + collective_s("reduce_scatter", out)
+            if sp
+            else collective_s("all_reduce", out)
+        )
+        return head + collective_s("all_reduce", rows, 3)
+
     def unit(name: str, recompute: str) -> Unit:
         lc = profile.layer_types[name]
         got = (
@@ -153,12 +179,18 @@ def layer_units(
             else None
         )
         fwd = got.forward_s if got else layer_forward_s(lc, device, st.dtype, tp=t, sp=sp)
-        if sp:
-            tp_one = comm.allgather_time_s(lc.tp_reduce_bytes, t, tp_link) + comm.reduce_scatter_time_s(
-                lc.tp_reduce_bytes, t, tp_link
+        # one collective per row-parallel output: count × latency + bytes × seconds per byte
+        count = max(1, lc.tp_reduce_count) if lc.tp_reduce_bytes else 0
+        tp_one = sum(
+            count * a + b * lc.tp_reduce_bytes
+            for a, b in (
+                [comm.coefficients(c, t, tp_link) for c in ("all_gather", "reduce_scatter")]
+                if sp
+                else [comm.coefficients("all_reduce", t, tp_link)]
             )
-        else:
-            tp_one = comm.allreduce_time_s(lc.tp_reduce_bytes, t, tp_link)
+        )
+        if name in ("embed", "head") and t > 1:
+            tp_one = edge_tp_s(name) / 2  # counted once, not forward + backward as below
         rc_flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}
         full_act = layer_activation_bytes(lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes)
         return Unit(
@@ -199,7 +231,6 @@ def build_terms(
     lat, s_per_byte = comm.coefficients("all_gather", st.dp, dp_link)
     rs_lat, rs_s_per_byte = comm.coefficients("reduce_scatter", st.dp, dp_link)
     ar_lat, ar_s_per_byte = comm.coefficients("all_reduce", st.dp, dp_link)
-    measured = cluster.compute_profile
     w, g, k = STATE_BYTES[st.dtype]
     shard = st.dp
     state = (
@@ -207,6 +238,8 @@ def build_terms(
         + g / (shard if st.zero >= 2 else 1)
         + k / (shard if st.zero >= 1 else 1)
     )
+    total_params = profile.blocks * blocks["none"].params + embed.params + head.params
+    grads_per_rank = total_params / p * GRAD_REDUCE_BYTES[st.dtype]
     base_buffers = 2 * DDP_BUCKET_BYTES * (st.dp > 1) + 2 * p2p_bytes * t * (t > 1)
     buffers = []
     for rank in range(p):
@@ -235,12 +268,9 @@ def build_terms(
         rs_s_per_byte=rs_s_per_byte,
         ar_lat_s=ar_lat,
         ar_s_per_byte=ar_s_per_byte,
-        opt_s_per_param=(
-            measured.optimizer_s_per_param
-            if measured is not None and measured.dtype == st.dtype
-            else ADAM_BYTES_PER_PARAM / device.hbm_bandwidth_bytes_per_s
-        )
-        / (shard if st.zero >= 1 else 1),
+        overlap=cluster.comm_profile.overlap if cluster.comm_profile is not None else 1.0,
+        last_bucket_s=ar_lat + ar_s_per_byte * min(DDP_BUCKET_BYTES, grads_per_rank) if st.dp > 1 else 0.0,
+        opt_s_per_param=optimizer_s_per_param(cluster, st) / (shard if st.zero >= 1 else 1),
         loss_bytes=st.micro_batch * st.seq * profile.vocab / t * 8,
         buffers=tuple(buffers),
         reserve_bytes=(
@@ -251,6 +281,20 @@ def build_terms(
         dp_crosses_nodes=dp_link.crosses_nodes and st.dp > 1,
         tp_crosses_nodes=tp_link.crosses_nodes,
     )
+
+
+def optimizer_s_per_param(cluster: Cluster, st: Strategy) -> float:
+    """Optimizer seconds per parameter a GPU updates: measured where the cluster has a compute
+    profile for this dtype (on DTensor parameters when the runtime makes them DTensors: under
+    TP, and under FSDP2 for ZeRO ≥ 2 or any data-parallel pipeline), else memory-bound Adam,
+    ADAM_BYTES_PER_PARAM / HBM bandwidth."""
+    measured = cluster.compute_profile
+    if measured is None or measured.dtype != st.dtype:
+        return ADAM_BYTES_PER_PARAM / cluster.device.hbm_bandwidth_bytes_per_s
+    dtensor = st.tp > 1 or (st.dp > 1 and (st.zero >= 2 or st.pp > 1))
+    if dtensor and measured.optimizer_dtensor_s_per_param is not None:
+        return measured.optimizer_dtensor_s_per_param
+    return measured.optimizer_s_per_param
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,9 +352,11 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     With L = layers on the rank, one all-gather of S bytes costs α_g + σ_g·S, one
     reduce-scatter α_r + σ_r·S and one all-reduce α_a + σ_a·S (ring: α_g = α_r = (dp−1)·α,
     σ_g = σ_r = (dp−1)/(dp·β), α_a = 2α_g, σ_a = 2σ_g; or measured), G gradient bytes,
-    W weight bytes, and overlap O = backward − one block's backward:
-      ZeRO-0  max(0, α_a + σ_a·G − O)
-      ZeRO-1  max(0, α_r + σ_r·G − O) + α_g + σ_g·W
+    W weight bytes, overlap O = κ·(backward − one block's backward), and fwd, bwd below
+    also scaled by κ, the share of compute that hides communication (``Terms.overlap``):
+      ZeRO-0  max(B, α_a + σ_a·G − O), B the last bucket's all-reduce (``last_bucket_s``)
+      ZeRO-1  max(B, α_a + σ_a·G − O) + α_g + σ_g·W (torch's ZeroRedundancyOptimizer keeps
+              DDP's all-reduce, then broadcasts each updated shard)
       ZeRO-2  m·max(0, L·α_r + σ_r·G − O) + α_g + σ_g·W
       ZeRO-3  m·[max(0, L·α_g + σ_g·W − fwd)
                  + max(0, (L + L_full)·α_g + σ_g·(W + W_full) + L·α_r + σ_r·G − bwd)]
@@ -320,19 +366,19 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     if st.dp == 1:
         return 0.0
     grad, weights = load.params * terms.grad_bytes, load.params * terms.weight_bytes
-    overlap = load.bwd_s - terms.block["none"].bwd_s
+    kappa = terms.overlap
+    overlap = kappa * (load.bwd_s - terms.block["none"].bwd_s)
     m = st.micro_batches
-    if st.zero == 0:
-        return max(0.0, terms.ar_lat_s + terms.ar_s_per_byte * grad - overlap)
-    if st.zero == 1:
-        return max(0.0, rlat + rspb * grad - overlap) + lat + spb * weights
+    if st.zero in (0, 1):
+        ddp = max(terms.last_bucket_s, terms.ar_lat_s + terms.ar_s_per_byte * grad - overlap)
+        return ddp + (lat + spb * weights if st.zero == 1 else 0.0)
     if st.zero == 2:
         return m * max(0.0, load.layers * rlat + rspb * grad - overlap) + lat + spb * weights
     full_w = load.full_params * terms.weight_bytes
     gather_f = load.layers * lat + spb * weights
     gather_b = (load.layers + load.full_layers) * lat + spb * (weights + full_w)
     reduce = load.layers * rlat + rspb * grad
-    return m * (max(0.0, gather_f - load.fwd_s) + max(0.0, gather_b + reduce - load.bwd_s))
+    return m * (max(0.0, gather_f - kappa * load.fwd_s) + max(0.0, gather_b + reduce - kappa * load.bwd_s))
 
 
 def rank_memory_terms(terms: Terms, rank: int, load: RankLoad) -> dict[str, float]:
