@@ -112,6 +112,13 @@ class ComputeProfile:
                 return t
         return None
 
+    def covers(self, *, micro_batch: int, seq: int, tp: int, sp: bool, dtype: str) -> bool:
+        """Whether this shape was measured (for any layer type)."""
+        return any(
+            self.timing(t.layer_type, micro_batch=micro_batch, seq=seq, tp=tp, sp=sp, dtype=dtype) is not None
+            for t in self.layers
+        )
+
     def check_model(self, layer_params: Mapping[str, int], *, seq: int) -> None:
         """Raise a clear error when the profile was measured for another model or length."""
         mine = dict(self.layer_params)

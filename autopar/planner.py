@@ -178,7 +178,25 @@ def outer_strategies(
                             dtype=dtype,
                         )
                     )
-    return out
+    return measured_first(cluster, out)
+
+
+def measured_first(cluster: Cluster, strategies: list[Strategy]) -> list[Strategy]:
+    """With a measured compute profile, only the micro-batch sizes and TP widths it measured:
+    the roofline that prices the others is optimistic or pessimistic by an unknown factor, and
+    the search would favour whichever it flatters. All of them when none was measured (a
+    constraint fixed an unmeasured knob: the estimate then says the roofline was used)."""
+    measured = cluster.compute_profile
+    if measured is None:
+        return strategies
+    kept = [
+        s
+        for s in strategies
+        if measured.covers(
+            micro_batch=s.micro_batch, seq=s.seq, tp=s.tp, sp=s.sequence_parallel, dtype=s.dtype
+        )
+    ]
+    return kept or strategies
 
 
 def lower_bound_s(
