@@ -363,7 +363,8 @@ def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, 
 # training step reach end to end, calibrated once (not per run) on the two
 # published A100 runs in shared/REFERENCES.md (GPT-3 175B at 1024 GPUs, 140
 # TFLOP/s; the 22B model on 8 GPUs, 1.42 s and 1.10 s), whose residual error it
-# minimises (max 5.5%; benchmarks/published_runs.py). It sits below the 0.80
+# minimised (max 5.5% then; 6.3% since each row-parallel output's collective pays
+# its own latency; benchmarks/published_runs.py). It sits below the 0.80
 # a lone bf16 8192³ matmul reached on an H200 here: a step's GEMMs are smaller
 # and pay launch and synchronisation costs the roofline does not model. H100
 # and H200 take the same fraction (no published run listed to calibrate them).
