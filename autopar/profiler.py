@@ -51,7 +51,7 @@ def build_meta_model(spec: str) -> nn.Module:
 
 
 @contextlib.contextmanager
-def fake_tp_mesh(t: int) -> Iterator[Any]:
+def fake_tp_mesh(t: int, device_type: str = "cpu") -> Iterator[Any]:
     """A one-process device mesh of ``t`` ranks whose collectives are no-ops (None for t = 1)."""
     if t == 1:
         yield None
@@ -64,7 +64,7 @@ def fake_tp_mesh(t: int) -> Iterator[Any]:
         raise AutoparError("autopar profile runs in its own process, not inside a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=t)
     try:
-        yield init_device_mesh("cpu", (t,))
+        yield init_device_mesh(device_type, (t,))
     finally:
         dist.destroy_process_group()
 
@@ -354,7 +354,7 @@ def profile_compute(
     opt_s = 0.0
     opt_dtensor_s: float | None = None
     for t in tp_widths:
-        with fake_tp_mesh(t) as mesh:
+        with fake_tp_mesh(t, dev.type) as mesh:
             for t_, sp, b in jobs:
                 if t_ != t:
                     continue
