@@ -128,10 +128,13 @@ def representative_layers(gm: fx.GraphModule, names: Sequence[str]) -> dict[str,
     return {"embed": parts[0], "block": parts[1], "head": parts[3]}
 
 
-def _materialise(stage: nn.Module, device: torch.device) -> None:
-    """Allocate the stage's meta parameters on ``device`` with small random values."""
+def _materialise(stage: fx.GraphModule, device: torch.device) -> None:
+    """Allocate the stage's meta parameters on ``device`` with small random values, and point the
+    devices baked into its operators by the capture on meta (``arange(device=meta)``) there."""
+    from autopar.graph.trace import retarget
     from autopar.runtime_pp import materialize
 
+    retarget(stage, device)
     materialize(stage, device)
     with torch.no_grad():
         for p in stage.parameters():

@@ -159,3 +159,16 @@ def test_profile_comm_and_calibrate_need_torchrun() -> None:
     for argv in (["profile-comm", "--out", "x.json"], ["calibrate", "gpt2", "--plan", "p.json"]):
         got = autopar(*argv)
         assert got.returncode == 2 and "torchrun" in got.stderr and got.stderr.count("\n") == 1
+
+
+def test_profile_an_unmodified_hugging_face_model(tmp_path) -> None:
+    out = tmp_path / "hf.json"
+    got = autopar(
+        "profile", "autopar.zoo.hf:gpt2", "--dtype", "fp32", "--seq", "32", "--batch", "1",
+        "--tp-widths", "1,2", "--no-sequence-parallel", "--warmup", "1", "--repeat", "1", "--out", str(out),
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr[-2000:]
+    prof = load_compute(out)
+    assert {(t.layer_type, t.tp) for t in prof.layers} == {
+        (name, t) for name in ("embed", "GPT2Block", "head") for t in (1, 2)
+    }
