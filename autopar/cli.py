@@ -231,6 +231,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
     from autopar.cost_models.strategy import Strategy, StrategyError, check_strategy
     from autopar.costing import profile_model
     from autopar.models import resolve
+    from autopar.planner import TPLayouts
 
     cluster = Cluster.load(args.cluster, nodes=args.nodes).from_profile(compute=args.profile, comm=args.comm)
     seq = args.seq or resolve(args.model, dtype=args.dtype).default_seq
@@ -261,7 +262,8 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
     progress(args, f"capturing {args.model} at micro-batch {args.micro_batch}, seq {seq} …")
     profile = profile_model(args.model, dtype=args.dtype, micro_batch=args.micro_batch, seq=seq)
     reserve = args.reserve_gib * 2**30 if args.reserve_gib is not None else None
-    est = estimate(profile, cluster, strategy, reserve_bytes=reserve)
+    layouts = TPLayouts(lambda _: profile, cluster, args.dtype)  # the per-operator TP choice
+    est = estimate(profile, cluster, strategy, reserve_bytes=reserve, tp_layout=layouts(strategy))
     if args.json:
         print(
             json.dumps(

@@ -34,6 +34,7 @@ from autopar.cost_models.strategy import RECOMPUTE, Strategy, StrategyError
 from autopar.cost_models.terms import (
     RankLoad,
     Terms,
+    TPLayout,
     Units,
     build_terms,
     dp_exposed_s,
@@ -43,7 +44,7 @@ from autopar.cost_models.terms import (
 from autopar.errors import AutoparError
 from autopar.layout_ilp import fits_somehow, max_blocks, solve_layout
 from autopar.plan import Plan, StagePlan, validate_plan
-from autopar.tp_choice import tp_tables
+from autopar.tp_choice import tp_layout, tp_tables
 
 
 class InfeasibleError(AutoparError):
@@ -118,6 +119,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+SP_CHOICES = {False: [False], True: [False, True]}
+"""Sequence parallelism to try, by whether tp > 1."""
+
+
 def outer_strategies(
     cluster: Cluster,
     *,
@@ -158,7 +163,8 @@ def outer_strategies(
                     for v in [c.virtual_stages] if c.virtual_stages else [2, 3, 4, 6, 8]:
                         if v and v > 1 and blocks % (pp * v) == 0:
                             schedules.append(("interleaved", v))
-                sps = [c.sequence_parallel] if c.sequence_parallel is not None else [tp > 1]
+                # both: the per-operator layouts with and without SP issue different collectives
+                sps = [c.sequence_parallel] if c.sequence_parallel is not None else SP_CHOICES[tp > 1]
                 zeros = [c.zero] if c.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
                 for (schedule, v), sp, zero in ((s, sp, z) for s in schedules for sp in sps for z in zeros):
                     if sp and tp == 1:
@@ -239,6 +245,31 @@ def lower_bound_s(
     )
 
 
+class TPLayouts:
+    """Strategy → the per-operator TP choice at its width (``tp_choice.tp_layout``), solved once
+    per (tp, sp) on the graph captured at micro-batch 1 (collective sizes scale with the
+    micro-batch); None at tp 1 or when no graph was captured. The outer search prices tensor
+    parallelism with what the chosen operators issue and keep, not with Megatron's count."""
+
+    def __init__(self, profile_at: Callable[[int], ModelProfile], cluster: Cluster, dtype: str) -> None:
+        captured = getattr(profile_at, "captured", None)
+        self.graph = captured(1) if captured is not None else profile_at(1).captured
+        self.cluster, self.dtype = cluster, dtype
+        self.solved: dict[tuple[int, bool], TPLayout] = {}
+
+    def __call__(self, st: Strategy) -> TPLayout | None:
+        if st.tp == 1 or self.graph is None:
+            return None
+        key = (st.tp, st.sequence_parallel)
+        if key not in self.solved:
+            self.solved[key] = tp_layout(self.graph, self.cluster, st.tp, self.dtype, sp=st.sequence_parallel)
+        return self.solved[key]
+
+
+def _lay(layouts: TPLayouts | None, st: Strategy) -> TPLayout | None:
+    return layouts(st) if layouts else None
+
+
 def search(
     profile_at: Callable[[int], ModelProfile],
     cluster: Cluster,
@@ -249,6 +280,7 @@ def search(
     constraints: Constraints = Constraints(),
     top_k: int = 5,
     time_limit_s: float = 10.0,
+    layouts: TPLayouts | None = None,
 ) -> SearchResult:
     """Branch and bound over outer strategies: the optimum first, then the best ``top_k − 1``
     runners-up met on the way (the search stops once no bound can beat the optimum).
@@ -279,7 +311,7 @@ def search(
             profiles[st.micro_batch] = profile_at(st.micro_batch)
         prof = profiles[st.micro_batch]
         if key not in units_cache:
-            units_cache[key] = layer_units(prof, cluster, st)
+            units_cache[key] = layer_units(prof, cluster, st, _lay(layouts, st))
         terms = build_terms(
             prof, cluster, st, units=units_cache[key], reserve_bytes=constraints.reserve_bytes
         )
@@ -294,7 +326,13 @@ def search(
     for bound, st, terms, prof in bounded:
         if found and bound >= found[0].estimate.step_time_s:
             break  # no remaining outer choice can beat the best plan
-        even = estimate(prof, cluster, st, reserve_bytes=constraints.reserve_bytes)  # no recompute
+        even = estimate(
+            prof,
+            cluster,
+            st,
+            reserve_bytes=constraints.reserve_bytes,
+            tp_layout=_lay(layouts, st),
+        )  # no recompute
         attains_bound = even.step_time_s <= bound * (1 + 1e-12) and "none" in constraints.recompute
         if attains_bound and max(mm.peak_bytes for mm in even.memory) <= capacity:
             found.append(
@@ -319,7 +357,13 @@ def search(
         assert solved is not None, "fits_somehow said a layout exists"
         layout, gap = solved
         chosen = replace(st, layout=layout, recompute="none")
-        est = estimate(prof, cluster, chosen, reserve_bytes=constraints.reserve_bytes)
+        est = estimate(
+            prof,
+            cluster,
+            chosen,
+            reserve_bytes=constraints.reserve_bytes,
+            tp_layout=_lay(layouts, chosen),
+        )
         found.append(Candidate(strategy=chosen, estimate=est, gap=gap))
         found.sort(key=lambda c: c.estimate.step_time_s)
         proven.append(est.step_time_s * (1 - gap))  # no layout of this outer choice is faster
@@ -327,7 +371,13 @@ def search(
     if not found:  # for the error message: the leanest even split of each outer choice
         for st, prof in infeasible:
             lean = replace(st, recompute="full" if "full" in constraints.recompute else st.recompute)
-            est = estimate(prof, cluster, lean, reserve_bytes=constraints.reserve_bytes)
+            est = estimate(
+                prof,
+                cluster,
+                lean,
+                reserve_bytes=constraints.reserve_bytes,
+                tp_layout=_lay(layouts, lean),
+            )
             leanest.append((max(mm.peak_bytes for mm in est.memory), lean))
     best = found[0].estimate.step_time_s if found else math.inf
     gap = max([0.0, *((best - lb) / best for lb in proven if lb < best)]) if found else 0.0
@@ -348,6 +398,7 @@ def baselines(
     seq: int,
     dtype: str,
     constraints: Constraints = Constraints(),
+    layouts: TPLayouts | None = None,
 ) -> dict[str, Candidate | None]:
     """Named hand strategies priced by the same cost model (None where nothing fits):
 
@@ -365,7 +416,13 @@ def baselines(
     out: dict[str, Candidate | None] = {"zero3 data parallel": None, "tp=gpus/node, pp across nodes": None}
     if global_batch % world == 0:
         z3 = Strategy(dp=world, zero=3, global_batch=global_batch, seq=seq, recompute="full", dtype=dtype)
-        est = estimate(prof, cluster, z3, reserve_bytes=constraints.reserve_bytes)
+        est = estimate(
+            prof,
+            cluster,
+            z3,
+            reserve_bytes=constraints.reserve_bytes,
+            tp_layout=_lay(layouts, z3),
+        )
         out["zero3 data parallel"] = Candidate(strategy=z3, estimate=est, gap=0.0) if fits(est) else None
     tp = max(t for t in _divisors(gpn) if prof.heads is None or prof.heads % t == 0)
     for pp in _divisors(world // tp):
@@ -382,7 +439,13 @@ def baselines(
             sequence_parallel=tp > 1,
             dtype=dtype,
         )
-        est = estimate(prof, cluster, st, reserve_bytes=constraints.reserve_bytes)
+        est = estimate(
+            prof,
+            cluster,
+            st,
+            reserve_bytes=constraints.reserve_bytes,
+            tp_layout=_lay(layouts, st),
+        )
         if fits(est):
             out["tp=gpus/node, pp across nodes"] = Candidate(strategy=st, estimate=est, gap=0.0)
             break
@@ -397,10 +460,11 @@ def to_plan(
     solve_time_s: float,
     *,
     captured: Any = None,
+    layouts: TPLayouts | None = None,
 ) -> Plan:
     """Wrap a candidate as a Plan keyed by layer names."""
     st, est = cand.strategy, cand.estimate
-    terms = build_terms(profile, cluster, st)
+    terms = build_terms(profile, cluster, st, tp_layout=_lay(layouts, st))
     counts = st.blocks_per_rank(profile.blocks)
     loads = [rank_load(terms, k, c) for k, c in enumerate(counts)]
     edge = (profile.layer_names[0], profile.layer_names[-1])
@@ -461,6 +525,7 @@ def make_plan(
     start = time.perf_counter()
     base = profile_at(1)
     check_constraints(constraints, cluster, blocks=base.blocks, heads=base.heads)
+    layouts = TPLayouts(profile_at, cluster, dtype)
     res = search(
         profile_at,
         cluster,
@@ -470,6 +535,7 @@ def make_plan(
         constraints=constraints,
         top_k=top_k + 1,
         time_limit_s=time_limit_s,
+        layouts=layouts,
     )
     if not res.found:
         raise _infeasible(cluster, res.leanest, constraints)
@@ -477,7 +543,7 @@ def make_plan(
     best = replace(res.found[0], gap=res.gap)
     b = best.strategy.micro_batch
     graph = profile_at.captured(b) if hasattr(profile_at, "captured") else None  # exactly at b
-    plan = to_plan(model, cluster, best, profile_at(b), elapsed, captured=graph)
+    plan = to_plan(model, cluster, best, profile_at(b), elapsed, captured=graph, layouts=layouts)
     validate_plan(
         plan,
         world_size=cluster.world_size,
@@ -488,7 +554,13 @@ def make_plan(
         plan=plan,
         alternatives=tuple(res.found[1:]),
         baselines=baselines(
-            profile_at, cluster, global_batch=global_batch, seq=seq, dtype=dtype, constraints=constraints
+            profile_at,
+            cluster,
+            global_batch=global_batch,
+            seq=seq,
+            dtype=dtype,
+            constraints=constraints,
+            layouts=layouts,
         ),
         solve_time_s=time.perf_counter() - start,
         ilps_solved=res.ilps,

@@ -42,11 +42,19 @@ import itertools
 from dataclasses import dataclass
 
 import pulp
+import torch
 from torch import fx
 
 from autopar.cluster import Cluster
-from autopar.cost_models.comm import GroupLink, allgather_time_s, allreduce_time_s, group_link
+from autopar.cost_models.comm import (
+    GroupLink,
+    allgather_time_s,
+    allreduce_time_s,
+    group_link,
+    reduce_scatter_time_s,
+)
 from autopar.cost_models.profile import ModelProfile
+from autopar.cost_models.terms import TPLayer, TPLayout
 from autopar.errors import AutoparError
 from autopar.graph import CapturedModel, Layer
 from autopar.layout_ilp import stdout_silenced
@@ -238,9 +246,11 @@ def _param_placement(s: OpStrategy, n: fx.Node, pos: int) -> str:
 
 
 def _ring_s(kind: str, size_bytes: int, t: int, link: GroupLink) -> float:
-    """Seconds of one ring collective; all-gather and reduce-scatter cost the same."""
+    """Seconds of one collective (ring alpha-beta, or the cluster's measured fit)."""
     if kind == "all_reduce":
         return allreduce_time_s(size_bytes, t, link)
+    if kind == "reduce_scatter":
+        return reduce_scatter_time_s(size_bytes, t, link)
     return allgather_time_s(size_bytes, t, link)
 
 
@@ -424,6 +434,53 @@ def layer_choices(
     first, last = cap.layers[0], cap.layers[-1]
     ends = choose_layer(cap.gm, (first.index, last.index), tp, cluster, dtype=dtype, sp=sp)
     return [*found, (1, (first, last), ends)]
+
+
+def _attr_shape(gm: fx.GraphModule, n: fx.Node) -> tuple[int, ...]:
+    obj: object = gm
+    for part in str(n.target).split("."):
+        obj = getattr(obj, part)
+    assert isinstance(obj, torch.Tensor)
+    return tuple(obj.shape)
+
+
+def tp_layout(cap: CapturedModel, cluster: Cluster, tp: int, dtype: str, *, sp: bool = False) -> TPLayout:
+    """Per layer type, what the per-operator choices at width ``tp`` cost the outer cost model:
+    their collectives (bytes per sequence of the captured micro-batch) and the parameters one
+    rank keeps (a weight the choice leaves replicated counts whole)."""
+    if tp == 1:
+        return {}
+    batch = cap.batch
+    layer_of = {
+        n.name: cap.layers[n.meta["autopar.layer"]].type
+        for n in cap.gm.graph.nodes
+        if n.meta.get("autopar.layer") is not None
+    }
+    shapes = {
+        str(n.target): n.meta.get("autopar.shape") or tuple(n.meta["val"].shape)
+        for n in cap.gm.graph.nodes
+        if n.op == "get_attr"
+    }
+    out: dict[str, TPLayer] = {}
+    for _, layers, choice in layer_choices(cap, cluster, tp, dtype, sp=sp):
+        types = {layer.type for layer in layers}
+        coll: dict[str, list[tuple[str, str, float]]] = {name: [] for name in types}
+        for c in choice.collectives:
+            owner = layers[-1].type if c.at == LOSS else layer_of.get(c.at, layers[0].type)
+            coll[owner].append((c.kind, c.phase, c.size_bytes / batch))
+        local: dict[str, float] = {name: 0.0 for name in types}
+        seen: set[str] = set()
+        for n in (n for i in (layer.index for layer in layers) for n in layer_nodes(cap.gm, i)):
+            s = choice.strategies[n.name]
+            for pos, arg in enumerate(n.args):
+                if not (isinstance(arg, fx.Node) and arg.op == "get_attr") or str(arg.target) in seen:
+                    continue
+                seen.add(str(arg.target))
+                numel = _prod(tuple(shapes[str(arg.target)]))
+                local[layer_of[n.name]] += numel if _param_placement(s, n, pos) == R else numel / tp
+        for name in types:
+            out[name] = TPLayer(collectives=tuple(coll[name]), local_params=local[name])
+    return out
 
 
 def tp_tables(

@@ -25,7 +25,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models import comm
 from autopar.cost_models.profile import ModelProfile
 from autopar.cost_models.strategy import Strategy, check_strategy
-from autopar.cost_models.terms import build_terms, dp_exposed_s, rank_load, rank_memory_terms
+from autopar.cost_models.terms import TPLayout, build_terms, dp_exposed_s, rank_load, rank_memory_terms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +114,7 @@ def estimate(
     strategy: Strategy,
     *,
     reserve_bytes: float | None = None,
+    tp_layout: TPLayout | None = None,
 ) -> Estimate:
     """Price ``strategy`` for ``profile`` on ``cluster`` (see module doc for the model)."""
     st = strategy
@@ -123,7 +124,7 @@ def estimate(
             f"profile captured at micro-batch {profile.micro_batch}, seq {profile.seq}; "
             f"strategy has {st.micro_batch}, {st.seq}"
         )
-    terms = build_terms(profile, cluster, st, reserve_bytes=reserve_bytes)
+    terms = build_terms(profile, cluster, st, reserve_bytes=reserve_bytes, tp_layout=tp_layout)
     notes: list[str] = []
     if terms.tp_crosses_nodes:
         notes.append(f"tp={st.tp} spans nodes: its collectives use the inter-node network")

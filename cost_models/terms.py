@@ -122,6 +122,19 @@ class Terms:
     tp_crosses_nodes: bool
 
 
+@dataclass(frozen=True, kw_only=True)
+class TPLayer:
+    """What the per-operator tensor-parallel choice of one layer type costs (``tp_choice``)."""
+
+    collectives: tuple[tuple[str, str, float], ...]
+    """(kind, phase forward/backward/step, bytes per sequence) of each collective it issues."""
+    local_params: float
+    """Parameters one rank holds (a weight the choice keeps replicated counts whole)."""
+
+
+TPLayout = dict[str, TPLayer]
+"""Layer type → its TP choice at one width (empty at tp 1)."""
+
 Units = tuple[dict[str, Unit], Unit, Unit]
 """Block units by recompute choice, the embedding's, the head's."""
 
@@ -130,14 +143,17 @@ def layer_units(
     profile: ModelProfile,
     cluster: Cluster,
     st: Strategy,
+    tp_layout: TPLayout | None = None,
 ) -> Units:
     """Per-layer units; they depend only on tp, sequence parallelism, dtype and the profile.
 
     Where the cluster carries a measured compute profile covering the layer type at this
     micro-batch, width and dtype, its forward and backward times replace the roofline.
-    Tensor-parallel communication per layer: the forward's all-reduces and backward's (an
-    all-gather + reduce-scatter each under sequence parallelism), one more forward under
-    full recompute."""
+    Tensor-parallel communication per layer: with ``tp_layout`` (the per-operator choice), the
+    collectives it issues, sized for this micro-batch; else Megatron's count, the forward's
+    all-reduces and backward's (an all-gather + reduce-scatter each under sequence
+    parallelism). Full recompute repeats the forward's. Parameters per GPU: the layout's, else
+    the layer's ÷ t."""
     device, t, sp = cluster.device, st.tp, st.sequence_parallel
     rate = device.achievable_flops(st.dtype)
     tp_link = comm.group_link(cluster, size=t, stride=1)
@@ -191,18 +207,25 @@ def layer_units(
         )
         if name in ("embed", "head") and t > 1:
             tp_one = edge_tp_s(name) / 2  # counted once, not forward + backward as below
+        chosen = tp_layout.get(name) if tp_layout and t > 1 else None
+        tp_fwd = tp_bwd = tp_one
+        if chosen is not None:
+            per_phase = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+            for kind, phase, per_sequence in chosen.collectives:
+                per_phase[phase] += collective_s(kind, per_sequence * st.micro_batch)
+            tp_fwd, tp_bwd = per_phase["forward"], per_phase["backward"]
         rc_flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}
         full_act = layer_activation_bytes(lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes)
         return Unit(
             fwd_s=fwd,
             bwd_compute_s=got.backward_s if got else 2 * fwd,
             recompute_s=fwd if recompute == "full" else rc_flops[recompute] / t / rate,
-            tp_s=tp_one * (3 if recompute == "full" else 2),
+            tp_s=tp_fwd * (2 if recompute == "full" else 1) + tp_bwd,
             act_bytes=layer_activation_bytes(
                 lc, tp=t, sp=sp, recompute=recompute, input_bytes=profile.input_bytes
             ),
             act_full_bytes=full_act,
-            params=lc.params / t,
+            params=chosen.local_params if chosen is not None else lc.params / t,
             fwd_flops=float(lc.fwd_flops),
             recompute_flops=rc_flops[recompute],
         )
@@ -218,11 +241,12 @@ def build_terms(
     *,
     reserve_bytes: float | None = None,
     units: Units | None = None,
+    tp_layout: TPLayout | None = None,
 ) -> Terms:
     """The coefficients for ``st``'s outer knobs (its layout is ignored)."""
     device, t = cluster.device, st.tp
     tp_link = comm.group_link(cluster, size=t, stride=1)
-    blocks, embed, head = units or layer_units(profile, cluster, st)
+    blocks, embed, head = units or layer_units(profile, cluster, st, tp_layout)
     block_type = profile.layers[1]
     p, v, m = st.pp, st.virtual_stages, st.micro_batches
     p2p_bytes = st.micro_batch * st.seq * profile.hidden * profile.act_bytes / t  # scatter/gather: ÷t

@@ -17,7 +17,7 @@ from autopar.cost_models.profile import ModelProfile, at_micro_batch
 from autopar.cost_models.strategy import RECOMPUTE, Strategy
 from autopar.costing import profile_fn
 from autopar.layout_ilp import MIP_GAP
-from autopar.planner import Constraints, make_plan, outer_strategies
+from autopar.planner import Constraints, TPLayouts, make_plan, outer_strategies
 from autopar.zoo import GPT, GPTConfig
 
 LAYERS, SEQ = 4, 128
@@ -58,8 +58,9 @@ def _layouts(blocks: int, pp: int, v: int, allowed: tuple[str, ...]):
 
 def brute_force(profile_at, cluster: Cluster, *, global_batch: int, c: Constraints) -> float:
     """The best step time over the whole space, by enumerating every strategy and layout,
-    including sequence parallelism off and GPipe (the planner prunes them by dominance)."""
+    including GPipe (the planner prunes it by dominance: 1F1B's time with less memory)."""
     capacity = min(cluster.device.memory_bytes, c.memory_cap_bytes or math.inf)
+    layouts = TPLayouts(profile_at, cluster, "bf16")  # TP priced by the per-operator choice
     best = math.inf
     space = set()
     for schedule, sp in itertools.product(("gpipe", "1f1b", "interleaved"), (True, False)):
@@ -72,7 +73,8 @@ def brute_force(profile_at, cluster: Cluster, *, global_batch: int, c: Constrain
     for st in space:
         prof = profile_at(st.micro_batch)
         for layout in _layouts(LAYERS, st.pp, st.virtual_stages, c.recompute):
-            est = estimate(prof, cluster, replace(st, layout=layout), reserve_bytes=c.reserve_bytes)
+            chosen = replace(st, layout=layout)
+            est = estimate(prof, cluster, chosen, reserve_bytes=c.reserve_bytes, tp_layout=layouts(st))
             if all(m.peak_bytes <= capacity for m in est.memory):
                 best = min(best, est.step_time_s)
     return best
@@ -83,7 +85,7 @@ def _instances():
     out = []
     for gpn, nodes in ((2, 1), (4, 1), (2, 2), (4, 2)):
         for batch in (4, 8):
-            for cap_mib in (None, 24, 12):
+            for cap_mib in (None, 12, 6):
                 out.append((gpn, nodes, batch, cap_mib, RECOMPUTE))
     out.append((4, 1, 8, 12, ("none", "full")))
     out.append((2, 2, 8, 24, ("full",)))
@@ -125,7 +127,7 @@ def test_some_instances_bind_memory(profile_at) -> None:
         cluster,
         global_batch=8,
         seq=SEQ,
-        constraints=Constraints(reserve_bytes=0.0, max_micro_batch=4, memory_cap_bytes=12 * 2**20),
+        constraints=Constraints(reserve_bytes=0.0, max_micro_batch=4, memory_cap_bytes=6 * 2**20),
     ).plan
     assert tight.predicted["step_time_s"] > free.predicted["step_time_s"]
     assert tight.strategy != free.strategy
@@ -145,7 +147,13 @@ def test_plan_round_trips_and_validates(profile_at, tmp_path) -> None:
     assert names == ["embed", *(f"blocks.{i}" for i in range(LAYERS)), "head"]
     assert "stage 0:" in plan.text() and "stage 1:" in plan.text()
     assert plan.predicted["step_time_s"] == pytest.approx(
-        estimate(profile_at(st.micro_batch), cluster, st, reserve_bytes=0.0).step_time_s
+        estimate(
+            profile_at(st.micro_batch),
+            cluster,
+            st,
+            reserve_bytes=0.0,
+            tp_layout=TPLayouts(profile_at, cluster, "bf16")(st),
+        ).step_time_s
     )
 
 
