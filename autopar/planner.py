@@ -270,6 +270,13 @@ def _lay(layouts: TPLayouts | None, st: Strategy) -> TPLayout | None:
     return layouts(st) if layouts else None
 
 
+def _price(
+    prof: ModelProfile, cluster: Cluster, st: Strategy, c: Constraints, layouts: TPLayouts | None
+) -> Estimate:
+    """The estimate the search compares: the constraints' reserve, TP priced by its layout."""
+    return estimate(prof, cluster, st, reserve_bytes=c.reserve_bytes, tp_layout=_lay(layouts, st))
+
+
 def search(
     profile_at: Callable[[int], ModelProfile],
     cluster: Cluster,
@@ -326,13 +333,7 @@ def search(
     for bound, st, terms, prof in bounded:
         if found and bound >= found[0].estimate.step_time_s:
             break  # no remaining outer choice can beat the best plan
-        even = estimate(
-            prof,
-            cluster,
-            st,
-            reserve_bytes=constraints.reserve_bytes,
-            tp_layout=_lay(layouts, st),
-        )  # no recompute
+        even = _price(prof, cluster, st, constraints, layouts)  # no recompute
         attains_bound = even.step_time_s <= bound * (1 + 1e-12) and "none" in constraints.recompute
         if attains_bound and max(mm.peak_bytes for mm in even.memory) <= capacity:
             found.append(
@@ -357,13 +358,7 @@ def search(
         assert solved is not None, "fits_somehow said a layout exists"
         layout, gap = solved
         chosen = replace(st, layout=layout, recompute="none")
-        est = estimate(
-            prof,
-            cluster,
-            chosen,
-            reserve_bytes=constraints.reserve_bytes,
-            tp_layout=_lay(layouts, chosen),
-        )
+        est = _price(prof, cluster, chosen, constraints, layouts)
         found.append(Candidate(strategy=chosen, estimate=est, gap=gap))
         found.sort(key=lambda c: c.estimate.step_time_s)
         proven.append(est.step_time_s * (1 - gap))  # no layout of this outer choice is faster
@@ -371,13 +366,7 @@ def search(
     if not found:  # for the error message: the leanest even split of each outer choice
         for st, prof in infeasible:
             lean = replace(st, recompute="full" if "full" in constraints.recompute else st.recompute)
-            est = estimate(
-                prof,
-                cluster,
-                lean,
-                reserve_bytes=constraints.reserve_bytes,
-                tp_layout=_lay(layouts, lean),
-            )
+            est = _price(prof, cluster, lean, constraints, layouts)
             leanest.append((max(mm.peak_bytes for mm in est.memory), lean))
     best = found[0].estimate.step_time_s if found else math.inf
     gap = max([0.0, *((best - lb) / best for lb in proven if lb < best)]) if found else 0.0
@@ -416,13 +405,7 @@ def baselines(
     out: dict[str, Candidate | None] = {"zero3 data parallel": None, "tp=gpus/node, pp across nodes": None}
     if global_batch % world == 0:
         z3 = Strategy(dp=world, zero=3, global_batch=global_batch, seq=seq, recompute="full", dtype=dtype)
-        est = estimate(
-            prof,
-            cluster,
-            z3,
-            reserve_bytes=constraints.reserve_bytes,
-            tp_layout=_lay(layouts, z3),
-        )
+        est = _price(prof, cluster, z3, constraints, layouts)
         out["zero3 data parallel"] = Candidate(strategy=z3, estimate=est, gap=0.0) if fits(est) else None
     tp = max(t for t in _divisors(gpn) if prof.heads is None or prof.heads % t == 0)
     for pp in _divisors(world // tp):
@@ -439,13 +422,7 @@ def baselines(
             sequence_parallel=tp > 1,
             dtype=dtype,
         )
-        est = estimate(
-            prof,
-            cluster,
-            st,
-            reserve_bytes=constraints.reserve_bytes,
-            tp_layout=_lay(layouts, st),
-        )
+        est = _price(prof, cluster, st, constraints, layouts)
         if fits(est):
             out["tp=gpus/node, pp across nodes"] = Candidate(strategy=st, estimate=est, gap=0.0)
             break
