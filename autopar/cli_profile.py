@@ -114,19 +114,12 @@ def _bar(enabled: bool) -> Iterator[Callable[[int, int, str], None] | None]:
         yield update
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def cmd_profile(args: argparse.Namespace, console: Console) -> None:
     import warnings
 
     import torch
 
-    from autopar.measurements import dumps
+    from autopar.measurements import dumps, write
     from autopar.models import resolve
     from autopar.profiler import profile_compute
 
@@ -151,7 +144,7 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
         )
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun every rank measures at once (shared caches and memory bandwidth)
-    _write_atomic(args.out, dumps(profile))
+    write(profile, args.out)
     if args.json:
         print(dumps(profile), end="")
         return
@@ -184,7 +177,7 @@ def cmd_profile_comm(args: argparse.Namespace, console: Console) -> None:
     import torch
     import torch.distributed as dist
 
-    from autopar.measurements import dumps
+    from autopar.measurements import dumps, write
     from autopar.profile_comm import measure_comm
     from autopar.runtime import init_distributed
 
@@ -206,7 +199,7 @@ def cmd_profile_comm(args: argparse.Namespace, console: Console) -> None:
             progress=update,
         )
     if rank == 0:
-        _write_atomic(args.out, dumps(profile))
+        write(profile, args.out)
         if args.json:
             print(dumps(profile), end="")
         else:

@@ -119,10 +119,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-SP_CHOICES = {False: [False], True: [False, True]}
-"""Sequence parallelism to try, by whether tp > 1."""
-
-
 def outer_strategies(
     cluster: Cluster,
     *,
@@ -142,6 +138,8 @@ def outer_strategies(
         else [t for t in _divisors(gpn) if world % t == 0 and (heads is None or heads % t == 0)]
     )
     for tp in tps:
+        # both where tp > 1: the per-operator layouts with and without SP issue different collectives
+        sp_options = [False, True] if tp > 1 else [False]
         for pp in [c.pp] if c.pp else _divisors(world // tp):
             if pp > blocks or world % (tp * pp):
                 continue
@@ -163,8 +161,7 @@ def outer_strategies(
                     for v in [c.virtual_stages] if c.virtual_stages else [2, 3, 4, 6, 8]:
                         if v and v > 1 and blocks % (pp * v) == 0:
                             schedules.append(("interleaved", v))
-                # both: the per-operator layouts with and without SP issue different collectives
-                sps = [c.sequence_parallel] if c.sequence_parallel is not None else SP_CHOICES[tp > 1]
+                sps = [c.sequence_parallel] if c.sequence_parallel is not None else sp_options
                 zeros = [c.zero] if c.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
                 for (schedule, v), sp, zero in ((s, sp, z) for s in schedules for sp in sps for z in zeros):
                     if sp and tp == 1:

@@ -344,6 +344,7 @@ def profile_compute(
     for t in tp_widths:
         if base.heads and base.heads % t:
             raise AutoparError(f"--tp-widths {t}: {base.heads} attention heads do not split {t} ways")
+    block_type = base.layers[1]
     jobs = [
         (t, sp, b)
         for t in tp_widths
@@ -364,7 +365,6 @@ def profile_compute(
                 plan = _plan_for_width(model, source, t=t, sp=sp, b=b, seq=seq, dtype=dtype)
                 gm, names, _ = rewritten_graph(model, plan, mesh)
                 stages = representative_layers(gm, names)
-                block_type = base.layers[1]
                 tokens = torch.randint(0, base.vocab, (b, seq), device=dev)
                 inputs: list[torch.Tensor] = [tokens]
                 for role, stage in stages.items():

@@ -120,11 +120,6 @@ def allgather_time_s(size_bytes: float, n: int, link: GroupLink) -> float:
     return _time_s("all_gather", size_bytes, n, link)
 
 
-def allgather_coefficients(n: int, link: GroupLink) -> tuple[float, float]:
-    """(latency, seconds per byte) of an all-gather: ((n−1)·α, (n−1)/(n·β)) on a ring."""
-    return coefficients("all_gather", n, link)
-
-
 def reduce_scatter_time_s(size_bytes: float, n: int, link: GroupLink) -> float:
     """Ring reduce-scatter of a ``size_bytes`` input: the all-gather's cost, or the measured fit."""
     return _time_s("reduce_scatter", size_bytes, n, link)

@@ -210,9 +210,12 @@ def measurement_notes(profile: ModelProfile, cluster: Cluster, st: Strategy) -> 
             notes.append(f"optimizer not measured for {st.dtype}: HBM-bandwidth model used")
     if cluster.comm_profile is not None:
         gaps = []
+        dp_uses = {0: ("all_reduce",), 1: ("all_reduce", "all_gather")}.get(
+            st.zero, ("all_gather", "reduce_scatter")
+        )  # DDP; + ZeroRedundancyOptimizer's broadcast; FSDP2
         uses = (
-            ("tp", st.tp, 1, ("all_gather", "reduce_scatter") if st.sequence_parallel else ("all_reduce",)),
-            ("dp", st.dp, st.tp, ("all_reduce",) if st.zero == 0 else ("all_gather", "reduce_scatter")),
+            ("tp", st.tp, 1, ("all_reduce", "all_gather", "reduce_scatter")),  # the layout may use each
+            ("dp", st.dp, st.tp, dp_uses),
             ("pp", st.pp, st.tp * st.dp, ("send_recv",)),
         )
         for axis, size, stride, collectives in uses:

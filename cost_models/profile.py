@@ -58,7 +58,7 @@ class LayerCost:
     """Forward FLOPs of ops producing (…, s, s) tensors: redone by selective recompute."""
     tp_reduce_bytes: int
     """Bytes of the row-parallel outputs that TP all-reduces in forward (e.g. 2 per block)."""
-    tp_reduce_count: int = 0
+    tp_reduce_count: int
     """How many row-parallel outputs (collectives) those bytes come in (e.g. 2 per block)."""
 
 
@@ -257,5 +257,6 @@ def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile
             saved_quadratic_bytes=lin(a.saved_quadratic_bytes, c.saved_quadratic_bytes),
             quadratic_flops=lin(a.quadratic_flops, c.quadratic_flops),
             tp_reduce_bytes=lin(a.tp_reduce_bytes, c.tp_reduce_bytes),
+            tp_reduce_count=a.tp_reduce_count,
         )
     return dataclasses.replace(one, micro_batch=b, layer_types=types)

@@ -21,7 +21,7 @@ from autopar.cost_models.memory import (
     inflight_stage_copies,
     layer_activation_bytes,
 )
-from autopar.cost_models.profile import ModelProfile
+from autopar.cost_models.profile import LayerCost, ModelProfile
 from autopar.cost_models.strategy import RECOMPUTE, Strategy
 from autopar.errors import AutoparError
 
@@ -170,22 +170,37 @@ def layer_units(
         a, b = comm.coefficients(name, t, tp_link)
         return k * (a + b * size)
 
-    def edge_tp_s(name: str) -> float:
-        """Embedding and head under TP (Megatron's vocabulary-parallel pair), per micro-batch:
-        the embedding's partial output is all-reduced (reduce-scattered under SP); the head's
-        input gradient is all-reduced in backward (under SP its input is all-gathered and the
-        gradient reduce-scattered), and the vocabulary-parallel cross-entropy all-reduces
-        three values per row (max, sum of exp, target logit)."""
+    def tp_phases_s(name: str, lc: LayerCost, chosen: TPLayer | None) -> tuple[float, float]:
+        """Forward and backward tensor-parallel communication of one layer per micro-batch.
+
+        With the per-operator choice: the collectives it issues. Else Megatron's pattern. A
+        block: one collective per row-parallel output in forward and its conjugate in backward
+        (all-reduces; an all-gather + reduce-scatter each under SP). The vocabulary-parallel
+        embedding all-reduces its partial output (reduce-scatters under SP). The head's input
+        gradient is all-reduced in backward (under SP its input is all-gathered and the gradient
+        reduce-scattered), and the vocabulary-parallel cross-entropy all-reduces three values
+        per row (max, sum of exp, target logit)."""
+        if t == 1:
+            return 0.0, 0.0
+        if chosen is not None:
+            phase = {"forward": 0.0, "backward": 0.0}
+            for kind, when, per_sequence in chosen.collectives:
+                phase[when] += collective_s(kind, per_sequence * st.micro_batch)
+            return phase["forward"], phase["backward"]
         out = st.micro_batch * st.seq * profile.hidden * profile.act_bytes
         if name == "embed":
-            return collective_s("reduce_scatter" if sp else "all_reduce", out)
-        rows = st.micro_batch * st.seq * 4
-        head = (
-            collective_s("all_gather", out) + collective_s("reduce_scatter", out)
-            if sp
-            else collective_s("all_reduce", out)
+            return collective_s("reduce_scatter" if sp else "all_reduce", out), 0.0
+        if name == "head":
+            loss = collective_s("all_reduce", st.micro_batch * st.seq * 4, 3)
+            if sp:
+                return collective_s("all_gather", out) + loss, collective_s("reduce_scatter", out)
+            return loss, collective_s("all_reduce", out)
+        kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+        one = sum(
+            lc.tp_reduce_count * a + b * lc.tp_reduce_bytes
+            for a, b in (comm.coefficients(k, t, tp_link) for k in kinds)
         )
-        return head + collective_s("all_reduce", rows, 3)
+        return one, one
 
     def unit(name: str, recompute: str) -> Unit:
         lc = profile.layer_types[name]
@@ -195,25 +210,8 @@ def layer_units(
             else None
         )
         fwd = got.forward_s if got else layer_forward_s(lc, device, st.dtype, tp=t, sp=sp)
-        # one collective per row-parallel output: count × latency + bytes × seconds per byte
-        count = max(1, lc.tp_reduce_count) if lc.tp_reduce_bytes else 0
-        tp_one = sum(
-            count * a + b * lc.tp_reduce_bytes
-            for a, b in (
-                [comm.coefficients(c, t, tp_link) for c in ("all_gather", "reduce_scatter")]
-                if sp
-                else [comm.coefficients("all_reduce", t, tp_link)]
-            )
-        )
-        if name in ("embed", "head") and t > 1:
-            tp_one = edge_tp_s(name) / 2  # counted once, not forward + backward as below
         chosen = tp_layout.get(name) if tp_layout and t > 1 else None
-        tp_fwd = tp_bwd = tp_one
-        if chosen is not None:
-            per_phase = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-            for kind, phase, per_sequence in chosen.collectives:
-                per_phase[phase] += collective_s(kind, per_sequence * st.micro_batch)
-            tp_fwd, tp_bwd = per_phase["forward"], per_phase["backward"]
+        tp_fwd, tp_bwd = tp_phases_s(name, lc, chosen)
         rc_flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}
         full_act = layer_activation_bytes(lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes)
         return Unit(

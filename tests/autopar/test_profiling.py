@@ -84,7 +84,7 @@ def test_profile_measures_every_layer_type_width_and_batch(profiled) -> None:
         if t.layer_type == "Block" and t.micro_batch == 2
     }
     print(f"Block saved bytes at micro-batch 2: measured {measured}, graph annotation {analytic}")
-    assert 0.5 < measured[1, False] / analytic < 2
+    assert measured[1, False] == pytest.approx(analytic, rel=0.05)
     # at this size the per-operator ILP may keep the block whole at tp 2 (sharding does not pay)
     assert measured[2, False] <= measured[1, False]
 
