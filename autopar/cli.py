@@ -48,6 +48,12 @@ def _add_constraint_flags(g: argparse._ArgumentGroup) -> None:
         help="force sequence parallelism on or off",
     )
     g.add_argument(
+        "--tp-objective",
+        choices=["time", "memory"],
+        default=None,
+        help="what the per-operator TP choice minimises (default: the planner prices both)",
+    )
+    g.add_argument(
         "--recompute",
         default="none,selective,full",  # cli_plan.RECOMPUTE_DEFAULT
         help="recompute choices allowed, comma-separated (default none,selective,full)",
@@ -114,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="model chunks per pipeline rank (interleaved; default 2)",
     )
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
+    p.add_argument(
+        "--tp-objective",
+        choices=["time", "memory"],
+        default="time",
+        help="what the per-operator TP choice minimises (default time)",
+    )
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument(
         "--reserve-gib",
@@ -231,7 +243,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
     from autopar.cost_models.strategy import Strategy, StrategyError, check_strategy
     from autopar.costing import profile_model
     from autopar.models import resolve
-    from autopar.planner import TPLayouts
+    from autopar.tp_layouts import TPLayouts
 
     cluster = Cluster.load(args.cluster, nodes=args.nodes).from_profile(compute=args.profile, comm=args.comm)
     seq = args.seq or resolve(args.model, dtype=args.dtype).default_seq
@@ -255,6 +267,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         schedule=args.schedule,
         virtual_stages=virtual,
         sequence_parallel=args.sequence_parallel,
+        tp_objective=args.tp_objective,
         dtype=args.dtype,
     )
     if strategy.world_size != cluster.world_size:  # before the capture: say it at once
@@ -283,7 +296,8 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         f"tp {st.tp} · pp {st.pp} · dp {st.dp}, ZeRO-{st.zero}, micro-batch {st.micro_batch} × "
         f"{st.micro_batches}, global batch {st.global_batch}, seq {st.seq}, {st.schedule}"
         f"{f' v={st.virtual_stages}' if st.virtual_stages > 1 else ''}, recompute {st.recompute}"
-        f"{', SP' if st.sequence_parallel else ''}, {st.dtype}"
+        f"{', SP' if st.sequence_parallel else ''}"
+        f"{', leanest TP layout' if st.tp > 1 and st.tp_objective == 'memory' else ''}, {st.dtype}"
     )
     table = Table(title="step time", show_edge=False, title_justify="left")
     table.add_column("term")

@@ -36,6 +36,7 @@ def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Any:
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
         sequence_parallel=args.sequence_parallel,
+        tp_objective=args.tp_objective,
         recompute=allowed,
         **extra,
     )
@@ -95,6 +96,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
                         "schedule": st.schedule,
                         "virtual_stages": st.virtual_stages,
                         "sequence_parallel": st.sequence_parallel,
+                        "tp_objective": st.tp_objective,
                         "dtype": st.dtype,
                         "mesh": [list(a) for a in plan.mesh],
                         "crosses_nodes": list(plan.crosses_nodes),
@@ -140,6 +142,7 @@ def _candidate_dict(c: Any, best: float) -> dict[str, Any]:
         "schedule": st.schedule,
         "virtual_stages": st.virtual_stages,
         "sequence_parallel": st.sequence_parallel,
+        "tp_objective": st.tp_objective,
         "layout": [list(x) for x in st.layout],
         "recompute": st.recompute,
         "step_time_s": c.estimate.step_time_s,

@@ -159,7 +159,9 @@ class Plan:
             f"zero {st.zero}; micro-batch {st.micro_batch} × {st.micro_batches}; global batch "
             f"{st.global_batch}; seq {st.seq}; schedule {st.schedule}"
             + (f" v={st.virtual_stages}" if st.virtual_stages > 1 else "")
-            + f"; sequence parallel {'on' if st.sequence_parallel else 'off'}; {st.dtype}",
+            + f"; sequence parallel {'on' if st.sequence_parallel else 'off'}"
+            + ("; TP layout: leanest" if st.tp > 1 and st.tp_objective == "memory" else "")
+            + f"; {st.dtype}",
         ]
         for s in self.stages:
             rc = s.recompute_summary

@@ -14,9 +14,12 @@ balance, only the recompute memory forces, the DP exposure of an average rank
 (a max of convex hinges is at least the hinge of the average) — and the search
 stops once no bound can beat the best plan found: branch and bound over the
 enumeration. An outer choice whose even split attains its bound needs no ILP.
-Two dominances shrink it further, both exact under the cost model: with
-tp > 1 sequence parallelism is never slower and never uses more memory, and
-GPipe is never faster than 1F1B but holds more activations.
+With tp > 1 the per-operator TP choice (``tp_layouts``) prices each width
+with and without sequence parallelism, and, where they differ, with its
+fastest and its leanest layout: the per-operator ILP trades time for memory,
+the outer search knows which side of that trade a plan needs. GPipe is never
+faster than 1F1B under the cost model but holds more activations, so it is
+tried only on request.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from autopar.cost_models.strategy import RECOMPUTE, Strategy, StrategyError
 from autopar.cost_models.terms import (
     RankLoad,
     Terms,
-    TPLayout,
     Units,
     build_terms,
     dp_exposed_s,
@@ -44,7 +46,7 @@ from autopar.cost_models.terms import (
 from autopar.errors import AutoparError
 from autopar.layout_ilp import fits_somehow, max_blocks, solve_layout
 from autopar.plan import Plan, StagePlan, validate_plan
-from autopar.tp_choice import tp_layout, tp_tables
+from autopar.tp_layouts import TPLayouts, lay, tp_tables
 
 
 class InfeasibleError(AutoparError):
@@ -71,6 +73,9 @@ class Constraints:
     """Fix v for the interleaved schedule."""
     sequence_parallel: bool | None = None
     """Force sequence parallelism on or off."""
+    tp_objective: str | None = None
+    """Fix what the per-operator TP choice minimises: ``time`` or ``memory`` (None: both are
+    priced where their layouts differ)."""
     recompute: tuple[str, ...] = RECOMPUTE
     """Recompute choices allowed per block."""
     memory_cap_bytes: float | None = None
@@ -179,6 +184,7 @@ def outer_strategies(
                             virtual_stages=v,
                             sequence_parallel=sp,
                             dtype=dtype,
+                            tp_objective=c.tp_objective or "time",
                         )
                     )
     return measured_first(cluster, out)
@@ -242,36 +248,11 @@ def lower_bound_s(
     )
 
 
-class TPLayouts:
-    """Strategy → the per-operator TP choice at its width (``tp_choice.tp_layout``), solved once
-    per (tp, sp) on the graph captured at micro-batch 1 (collective sizes scale with the
-    micro-batch); None at tp 1 or when no graph was captured. The outer search prices tensor
-    parallelism with what the chosen operators issue and keep, not with Megatron's count."""
-
-    def __init__(self, profile_at: Callable[[int], ModelProfile], cluster: Cluster, dtype: str) -> None:
-        captured = getattr(profile_at, "captured", None)
-        self.graph = captured(1) if captured is not None else profile_at(1).captured
-        self.cluster, self.dtype = cluster, dtype
-        self.solved: dict[tuple[int, bool], TPLayout] = {}
-
-    def __call__(self, st: Strategy) -> TPLayout | None:
-        if st.tp == 1 or self.graph is None:
-            return None
-        key = (st.tp, st.sequence_parallel)
-        if key not in self.solved:
-            self.solved[key] = tp_layout(self.graph, self.cluster, st.tp, self.dtype, sp=st.sequence_parallel)
-        return self.solved[key]
-
-
-def _lay(layouts: TPLayouts | None, st: Strategy) -> TPLayout | None:
-    return layouts(st) if layouts else None
-
-
 def _price(
     prof: ModelProfile, cluster: Cluster, st: Strategy, c: Constraints, layouts: TPLayouts | None
 ) -> Estimate:
     """The estimate the search compares: the constraints' reserve, TP priced by its layout."""
-    return estimate(prof, cluster, st, reserve_bytes=c.reserve_bytes, tp_layout=_lay(layouts, st))
+    return estimate(prof, cluster, st, reserve_bytes=c.reserve_bytes, tp_layout=lay(layouts, st))
 
 
 def search(
@@ -305,17 +286,19 @@ def search(
         dtype=dtype,
         c=constraints,
     )
+    if layouts is not None and constraints.tp_objective is None:  # fastest and leanest TP layouts
+        strategies = [v for st in strategies for v in layouts.variants(st)]
     infeasible: list[tuple[Strategy, ModelProfile]] = []
-    units_cache: dict[tuple[int, bool, int], Units] = {}
+    units_cache: dict[tuple[int, bool, str, int], Units] = {}
     profiles: dict[int, ModelProfile] = {}
     bounded = []
     for st in strategies:
-        key = (st.tp, st.sequence_parallel, st.micro_batch)
+        key = (st.tp, st.sequence_parallel, st.tp_objective, st.micro_batch)
         if st.micro_batch not in profiles:
             profiles[st.micro_batch] = profile_at(st.micro_batch)
         prof = profiles[st.micro_batch]
         if key not in units_cache:
-            units_cache[key] = layer_units(prof, cluster, st, _lay(layouts, st))
+            units_cache[key] = layer_units(prof, cluster, st, lay(layouts, st))
         terms = build_terms(
             prof, cluster, st, units=units_cache[key], reserve_bytes=constraints.reserve_bytes
         )
@@ -438,7 +421,7 @@ def to_plan(
 ) -> Plan:
     """Wrap a candidate as a Plan keyed by layer names."""
     st, est = cand.strategy, cand.estimate
-    terms = build_terms(profile, cluster, st, tp_layout=_lay(layouts, st))
+    terms = build_terms(profile, cluster, st, tp_layout=lay(layouts, st))
     counts = st.blocks_per_rank(profile.blocks)
     loads = [rank_load(terms, k, c) for k, c in enumerate(counts)]
     edge = (profile.layer_names[0], profile.layer_names[-1])
@@ -474,7 +457,13 @@ def to_plan(
         solve_time_s=solve_time_s,
         optimality_gap=cand.gap,
         tensor_parallel=tp_tables(
-            profile, cluster, st.tp, st.dtype, sp=st.sequence_parallel, captured=captured
+            profile,
+            cluster,
+            st.tp,
+            st.dtype,
+            sp=st.sequence_parallel,
+            objective=st.tp_objective,
+            captured=captured,
         ),
     )
 

@@ -39,10 +39,10 @@ written anywhere here: it is what these costs select.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import pulp
-import torch
 from torch import fx
 
 from autopar.cluster import Cluster
@@ -53,10 +53,9 @@ from autopar.cost_models.comm import (
     group_link,
     reduce_scatter_time_s,
 )
-from autopar.cost_models.profile import ModelProfile
-from autopar.cost_models.terms import TPLayer, TPLayout
+from autopar.cost_models.memory import STATE_BYTES
+from autopar.cost_models.strategy import TP_OBJECTIVES
 from autopar.errors import AutoparError
-from autopar.graph import CapturedModel, Layer
 from autopar.layout_ilp import stdout_silenced
 from autopar.passes.tp_rules import (
     LINEAR_ARGS,
@@ -76,6 +75,13 @@ from autopar.passes.tp_rules import (
 )
 
 INFEASIBLE = float("inf")
+
+OBJECTIVES = TP_OBJECTIVES
+"""What the per-operator choice minimises: ``time`` (the fastest layout) or ``memory`` (the
+fastest of those within ``LEAN_SLACK`` of the least memory)."""
+
+LEAN_SLACK = 0.01
+"""The leanest layout may hold 1% more than the least memory, for speed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +110,12 @@ class LayerTP:
     collectives: tuple[Collective, ...]
     time_s: float
     """Predicted compute + communication seconds of the layer (forward + backward)."""
+    partial_grads: bool
+    """Some replicated parameter meets a token shard: its gradient is a partial sum, all-reduced
+    once per step (``step_collectives``)."""
+    memory_bytes: float
+    """What the layer holds on one rank under this choice (``memory_bytes`` below): model states
+    of its parameters plus what its operators save for backward at the captured micro-batch."""
 
 
 def _bytes(n: fx.Node) -> int:
@@ -163,11 +175,12 @@ def leave(
     return c_s, [Collective(kind=k, phase=p, size_bytes=_bytes(n), at=n.name) for k, p in kinds]
 
 
-def step_collectives(sp: bool) -> list[tuple[str, str]]:
-    """Once per step: under sequence parallelism the partial gradients of the replicated
-    parameters applied to sequence shards (norms, row-parallel biases) are all-reduced over the
-    TP group in one bucket. Priced at nothing per micro-batch in the ILP (a few kB once a step)."""
-    return [("all_reduce", "step")] if sp else []
+def step_collectives(choices: list[LayerTP]) -> list[tuple[str, str]]:
+    """Once per step: where a replicated parameter meets a token shard (a norm under sequence
+    parallelism, a row-parallel bias added to a sequence shard) its gradient is a partial sum;
+    the runtime all-reduces all of them over the TP group in one bucket. Priced at nothing per
+    micro-batch in the ILP (a few kB once a step)."""
+    return [("all_reduce", "step")] if any(c.partial_grads for c in choices) else []
 
 
 def needs_grad(gm: fx.GraphModule) -> set[str]:
@@ -193,14 +206,34 @@ def _compute_s(n: fx.Node, cluster: Cluster, dtype: str) -> float:
 def layer_nodes(gm: fx.GraphModule, layer: int) -> list[fx.Node]:
     """The operators of layer index ``layer`` that produce tensors, in graph order (metadata
     asserts, which return nothing, are left out)."""
-    return [
-        n
-        for n in gm.graph.nodes
-        if n.op == "call_function"
-        and n.meta.get("autopar.layer") == layer
-        and out_shape(n) is not None
-        and n.meta.get("val") is not None
-    ]
+    return [n for n in gm.graph.nodes if n.meta.get("autopar.layer") == layer and _produces_tensor(n)]
+
+
+def _produces_tensor(n: fx.Node) -> bool:
+    return n.op == "call_function" and out_shape(n) is not None and n.meta.get("val") is not None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GraphIndex:
+    """What every per-layer ILP of one graph reads, found in one pass over it (a 96-block graph
+    is ~10k nodes: scanning it per ILP cost more than the solves)."""
+
+    grads: frozenset[str]
+    """``needs_grad`` of the graph."""
+    layers: dict[int, tuple[fx.Node, ...]]
+    """Layer index → ``layer_nodes`` of it."""
+
+
+def index_graph(gm: fx.GraphModule) -> GraphIndex:
+    """The ``GraphIndex`` of ``gm``."""
+    layers: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        i = n.meta.get("autopar.layer")
+        if i is not None and _produces_tensor(n):
+            layers.setdefault(i, []).append(n)
+    return GraphIndex(
+        grads=frozenset(needs_grad(gm)), layers={i: tuple(nodes) for i, nodes in layers.items()}
+    )
 
 
 def op_keys(nodes: list[fx.Node], prefix: str) -> dict[str, str]:
@@ -235,6 +268,18 @@ def own_collectives(n: fx.Node, s: OpStrategy) -> list[Collective]:
     return found
 
 
+def partial_params(n: fx.Node, s: OpStrategy) -> bool:
+    """Whether ``s`` applies a replicated parameter of ``n`` to a token shard (as the rewrite's
+    ``partial_grads``): a following operator with parameters, or a row-parallel bias added to a
+    sequence shard."""
+    params = any(isinstance(a, fx.Node) and a.op == "get_attr" for a in n.args)
+    if s.reduce_param_grads:
+        return params
+    if s.name == "row" and n.target in LINEAR_ARGS and shard_dim(s.out) is not None:
+        return isinstance(linear_parts(n)[2], fx.Node)
+    return False
+
+
 def _param_placement(s: OpStrategy, n: fx.Node, pos: int) -> str:
     """Placement strategy ``s`` of node ``n`` gives the parameter at argument ``pos``."""
     if n.target in LINEAR_ARGS:
@@ -243,6 +288,57 @@ def _param_placement(s: OpStrategy, n: fx.Node, pos: int) -> str:
     else:
         role = "weight" if pos == 0 and s.name == "vocab" else ""
     return s.params.get(role, R)
+
+
+def param_owners(nodes: list[fx.Node]) -> dict[tuple[str, int], fx.Node]:
+    """(node, argument position) → the parameter's ``get_attr`` node, for the first reader of each
+    parameter among ``nodes``: a weight read twice (tied embedding and head) is held, and
+    counted, once."""
+    found: dict[tuple[str, int], fx.Node] = {}
+    seen: set[str] = set()
+    for n in nodes:
+        for pos, arg in enumerate(n.args):
+            if isinstance(arg, fx.Node) and arg.op == "get_attr" and str(arg.target) not in seen:
+                seen.add(str(arg.target))
+                found[n.name, pos] = arg
+    return found
+
+
+def param_numel(n: fx.Node) -> int:
+    """Elements of the parameter ``get_attr`` node ``n`` reads."""
+    return _prod(tuple(n.meta.get("autopar.shape") or n.meta["val"].shape))
+
+
+def param_split(s: OpStrategy, n: fx.Node, pos: int) -> bool:
+    """Whether strategy ``s`` of node ``n`` splits the parameter at argument ``pos`` t ways."""
+    return shard_dim(_param_placement(s, n, pos)) is not None
+
+
+def op_memory_bytes(
+    n: fx.Node, s: OpStrategy, t: int, *, state_bytes_per_param: int, owners: dict[tuple[str, int], fx.Node]
+) -> float:
+    """Bytes one rank holds for operator ``n`` under strategy ``s``.
+
+    Model states: each parameter ``n`` owns (``param_owners``) at ``state_bytes_per_param``
+    (16: 16-bit weight and gradient, fp32 master, momentum and variance; ZeRO, SC'20 §3.1) ÷ t
+    where ``s`` splits it. Saved activations (``autopar.saved``, at the captured micro-batch): a
+    saved tensor shaped like an input or output the strategy splits counts ÷ t, one shaped like
+    a replicated input or output counts whole (a column-parallel linear keeps its whole input),
+    any other (softmax statistics) ÷ t where the operator's work is split."""
+    state = 0.0
+    for pos, _ in enumerate(n.args):
+        if (n.name, pos) in owners:
+            split = param_split(s, n, pos)
+            state += param_numel(owners[n.name, pos]) * state_bytes_per_param / (t if split else 1)
+    placed = [(out_shape(n), s.out)] + [
+        (out_shape(u), s.inputs[i] if i < len(s.inputs) else R) for i, u in enumerate(tensor_args(n))
+    ]
+    saved = 0.0
+    for shape, nbytes in n.meta.get("autopar.saved", ()):
+        places = [p for sh, p in placed if sh == tuple(shape)]
+        split = any(shard_dim(p) is not None for p in places) if places else s.compute_fraction < 1
+        saved += nbytes / (t if split else 1)
+    return state + saved
 
 
 def _ring_s(kind: str, size_bytes: int, t: int, link: GroupLink) -> float:
@@ -266,20 +362,34 @@ def choose_layer(
     *,
     dtype: str,
     sp: bool = False,
+    objective: str = "time",
+    memory_budget_bytes: float | None = None,
     time_limit_s: float = 10.0,
+    index: GraphIndex | None = None,
+    fastest: LayerTP | None = None,
 ) -> LayerTP:
     """Solve the ILP above for the operators of layer index ``layer`` (or of several layers solved
     together: embedding and head, which may share a weight) at TP degree ``t`` (``sp``: the
-    residual stream enters and leaves split over the sequence)."""
+    residual stream enters and leaves split over the sequence).
+
+    Memory (``op_memory_bytes`` summed over the chosen strategies: model states plus saved
+    activations): at most ``memory_budget_bytes`` when given. ``objective`` ``time``: the
+    fastest layout; ``memory``: the fastest of the leanest, i.e. first the least memory M*, then
+    the least time with memory ≤ M*·(1 + LEAN_SLACK), so that a few bytes of replicated norm
+    weights don't buy a slower layout; ``fastest`` (this layer's ``time`` choice, when the caller
+    has it) is returned as it is when it is within that bound, which saves the second solve.
+    ``index``: ``index_graph(gm)``, when the caller solves several layers of one graph."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     layers = (layer,) if isinstance(layer, int) else layer
-    nodes = [n for i in layers for n in layer_nodes(gm, i)]
+    nodes = [n for i in layers for n in (index.layers.get(i, ()) if index else layer_nodes(gm, i))]
     inside = set(nodes)
-    grads = needs_grad(gm)
+    grads = index.grads if index else needs_grad(gm)
     outside, outputs = boundary(nodes, sp)
     stream = stream_placement(sp)
     final = {n.name for n in nodes if any(u.op == "output" for u in n.users)}  # the model's output
     link = group_link(cluster, size=t, stride=1)
-    prob = pulp.LpProblem(f"tp_layer_{layer}", pulp.LpMinimize)
+    prob = pulp.LpProblem("tp_layer_" + "_".join(map(str, layers)), pulp.LpMinimize)
     options = {n: strategies(n, t) for n in nodes}
     x = {
         (n, i): pulp.LpVariable(f"x_{n.name}_{i}", cat="Binary")
@@ -287,6 +397,15 @@ def choose_layer(
         for i in range(len(options[n]))
     }
     cost: list[pulp.LpAffineExpression] = []
+    per_param = sum(STATE_BYTES[dtype])
+    owners = param_owners(nodes)
+    memory = pulp.lpSum(
+        op_memory_bytes(n, s, t, state_bytes_per_param=per_param, owners=owners) * x[n, i]
+        for n in nodes
+        for i, s in enumerate(options[n])
+    )
+    if memory_budget_bytes is not None:
+        prob += memory <= memory_budget_bytes, "memory_budget"
     shared: dict[tuple[str, str, str], pulp.LpVariable] = {}
 
     def convert_once(key: tuple[str, str, str], c: float, active: pulp.LpAffineExpression, name: str) -> None:
@@ -337,6 +456,7 @@ def choose_layer(
         for pos, arg in enumerate(n.args):
             if isinstance(arg, fx.Node) and arg.op == "get_attr":
                 readers.setdefault(str(arg.target), []).append((n, pos))
+    tied = itertools.count()
     for users in readers.values():
         for (u, pu), (v, pv) in itertools.pairwise(users):
             for place in {_param_placement(s, u, pu) for s in options[u]} | {
@@ -349,19 +469,35 @@ def choose_layer(
                     == pulp.lpSum(
                         x[v, i] for i, s in enumerate(options[v]) if _param_placement(s, v, pv) == place
                     ),
-                    f"tied_{len(prob.constraints)}",
+                    f"tied_{next(tied)}",
                 )
+    within = "" if memory_budget_bytes is None else f" within {memory_budget_bytes / 2**20:,.1f} MiB"
+    if objective == "memory":
+        # bytes are ~1e6–1e10: in MiB the solver's tolerances neither swallow nor dominate them
+        prob.setObjective(memory / 2**20)
+        _solve(prob, time_limit_s, f"no tensor-parallel layout of layer {layer} at tp {t}{within}")
+        least = pulp.value(memory)
+        if fastest is not None and fastest.memory_bytes <= least * (1 + LEAN_SLACK) + 1:
+            return fastest  # the fastest layout is lean enough: it is also the answer
+        prob += memory <= least * (1 + LEAN_SLACK) + 1, "leanest"
     # seconds are ~1e-6: scale the objective so the solver's tolerances don't swallow it
-    prob += 1e6 * pulp.lpSum(cost)
-    with stdout_silenced():  # HiGHS's banner would corrupt --json output
-        prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
-    if prob.sol_status not in (1, 2):
-        raise AutoparError(f"no tensor-parallel layout of layer {layer} at tp {t} (status {prob.status})")
+    prob.setObjective(1e6 * pulp.lpSum(cost))
+    _solve(prob, time_limit_s, f"no tensor-parallel layout of layer {layer} at tp {t}{within}")
     solved = {
         n.name: options[n][next(i for i in range(len(options[n])) if (x[n, i].value() or 0) > 0.5)]
         for n in nodes
     }
-    return _summarise(nodes, solved, t, link, cluster, dtype, outside, grads, outputs, stream, final)
+    held = sum(
+        op_memory_bytes(n, solved[n.name], t, state_bytes_per_param=per_param, owners=owners) for n in nodes
+    )
+    return _summarise(nodes, solved, t, link, cluster, dtype, outside, grads, outputs, stream, final, held)
+
+
+def _solve(prob: pulp.LpProblem, time_limit_s: float, failure: str) -> None:
+    with stdout_silenced():  # HiGHS's banner would corrupt --json output
+        prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
+    if prob.sol_status not in (1, 2):
+        raise AutoparError(f"{failure} (solver status {prob.status})")
 
 
 def _summarise(
@@ -372,16 +508,18 @@ def _summarise(
     cluster: Cluster,
     dtype: str,
     outside: dict[str, str],
-    grads: set[str],
+    grads: AbstractSet[str],
     outputs: set[str],
     stream: str,
     final: set[str],
+    memory_bytes: float,
 ) -> LayerTP:
     inside = {n.name for n in nodes}
     collectives: list[Collective] = []
     total = 0.0
     modules: dict[str, str] = {}
     copied: set[tuple[str, str]] = set()
+    partial = False
     for n in nodes:
         s = chosen[n.name]
         total += _compute_s(n, cluster, dtype) * s.compute_fraction
@@ -390,6 +528,7 @@ def _summarise(
         total += sum(_collective_s(c, t, link) for c in own)
         if s.name in SHARDING:
             modules[str(n.meta.get("autopar.module", n.name))] = s.name
+        partial = partial or partial_params(n, s)
         for slot, u in enumerate(tensor_args(n)):
             need = s.inputs[slot] if slot < len(s.inputs) else R
             src = chosen[u.name].out if u.name in inside else outside[u.name]
@@ -404,121 +543,31 @@ def _summarise(
             c, more = leave(n, s.out, to, t, link, grad=n.name in grads, final=n.name in final)
             total += c
             collectives += more
-    return LayerTP(strategies=chosen, modules=modules, collectives=tuple(collectives), time_s=total)
-
-
-def plan_table(
-    gm: fx.GraphModule, layer: int, prefix: str, choice: LayerTP
-) -> tuple[tuple[str, str, str], ...]:
-    """Every operator's choice as (op key, strategy, output placement) for the Plan. At run time
-    an operator the table doesn't name (a no-op traced only at another batch size) follows its
-    inputs (``tp_rules.propagate``)."""
-    nodes = layer_nodes(gm, layer)
-    keys = op_keys(nodes, prefix)
-    return tuple((keys[n.name], choice.strategies[n.name].name, choice.strategies[n.name].out) for n in nodes)
-
-
-def layer_choices(
-    cap: CapturedModel, cluster: Cluster, tp: int, dtype: str, *, sp: bool = False
-) -> list[tuple[int, tuple[Layer, ...], LayerTP]]:
-    """Every ILP a model needs, as (times it runs per micro-batch, the layers one solve covers,
-    choice): one per block type (solved on its first block), and one for embedding and head
-    together (they may share a weight, which then takes one placement)."""
-    blocks: dict[str, list[Layer]] = {}
-    for layer in cap.layers[1:-1]:
-        blocks.setdefault(layer.type, []).append(layer)
-    found = [
-        (len(same), (same[0],), choose_layer(cap.gm, same[0].index, tp, cluster, dtype=dtype, sp=sp))
-        for same in blocks.values()
-    ]
-    first, last = cap.layers[0], cap.layers[-1]
-    ends = choose_layer(cap.gm, (first.index, last.index), tp, cluster, dtype=dtype, sp=sp)
-    return [*found, (1, (first, last), ends)]
-
-
-def _attr_shape(gm: fx.GraphModule, n: fx.Node) -> tuple[int, ...]:
-    obj: object = gm
-    for part in str(n.target).split("."):
-        obj = getattr(obj, part)
-    assert isinstance(obj, torch.Tensor)
-    return tuple(obj.shape)
-
-
-def tp_layout(cap: CapturedModel, cluster: Cluster, tp: int, dtype: str, *, sp: bool = False) -> TPLayout:
-    """Per layer type, what the per-operator choices at width ``tp`` cost the outer cost model:
-    their collectives (bytes per sequence of the captured micro-batch) and the parameters one
-    rank keeps (a weight the choice leaves replicated counts whole)."""
-    if tp == 1:
-        return {}
-    batch = cap.batch
-    layer_of = {
-        n.name: cap.layers[n.meta["autopar.layer"]].type
-        for n in cap.gm.graph.nodes
-        if n.meta.get("autopar.layer") is not None
-    }
-    shapes = {
-        str(n.target): n.meta.get("autopar.shape") or tuple(n.meta["val"].shape)
-        for n in cap.gm.graph.nodes
-        if n.op == "get_attr"
-    }
-    out: dict[str, TPLayer] = {}
-    for _, layers, choice in layer_choices(cap, cluster, tp, dtype, sp=sp):
-        types = {layer.type for layer in layers}
-        coll: dict[str, list[tuple[str, str, float]]] = {name: [] for name in types}
-        for c in choice.collectives:
-            owner = layers[-1].type if c.at == LOSS else layer_of.get(c.at, layers[0].type)
-            coll[owner].append((c.kind, c.phase, c.size_bytes / batch))
-        local: dict[str, float] = {name: 0.0 for name in types}
-        seen: set[str] = set()
-        for n in (n for i in (layer.index for layer in layers) for n in layer_nodes(cap.gm, i)):
-            s = choice.strategies[n.name]
-            for pos, arg in enumerate(n.args):
-                if not (isinstance(arg, fx.Node) and arg.op == "get_attr") or str(arg.target) in seen:
-                    continue
-                seen.add(str(arg.target))
-                numel = _prod(tuple(shapes[str(arg.target)]))
-                local[layer_of[n.name]] += numel if _param_placement(s, n, pos) == R else numel / tp
-        for name in types:
-            out[name] = TPLayer(collectives=tuple(coll[name]), local_params=local[name])
-    return out
-
-
-def tp_tables(
-    profile: ModelProfile,
-    cluster: Cluster,
-    tp: int,
-    dtype: str,
-    *,
-    sp: bool = False,
-    captured: CapturedModel | None = None,
-) -> tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]:
-    """Per layer type, the per-operator TP strategies the ILPs choose (empty at tp 1)."""
-    cap = captured if captured is not None else profile.captured  # best: the graph at the plan's b
-    if tp == 1 or cap is None:
-        return ()
-    if profile.heads and profile.heads % tp:
-        raise AutoparError(
-            f"tp {tp}: no way to split {profile.heads} attention heads {tp} ways; "
-            "choose a tp that divides the head count"
-        )
-    return tuple(
-        (layer.type, plan_table(cap.gm, layer.index, layer.name, choice))
-        for _, layers, choice in layer_choices(cap, cluster, tp, dtype, sp=sp)
-        for layer in layers
+    return LayerTP(
+        strategies=chosen,
+        modules=modules,
+        collectives=tuple(collectives),
+        time_s=total,
+        partial_grads=partial,
+        memory_bytes=memory_bytes,
     )
 
 
 __all__ = [
     "LOSS",
+    "OBJECTIVES",
     "Collective",
+    "GraphIndex",
     "LayerTP",
     "choose_layer",
-    "layer_choices",
+    "index_graph",
     "layer_nodes",
     "needs_grad",
     "op_keys",
-    "plan_table",
+    "op_memory_bytes",
+    "param_numel",
+    "param_owners",
+    "param_split",
     "reshard",
     "step_collectives",
-    "tp_tables",
 ]

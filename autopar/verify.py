@@ -281,6 +281,10 @@ def bad_batch_worker(rank: int, world: int, init_method: str, plan_json: str, ou
         message = str(e)
     with open(f"{out}.{rank}", "w") as f:
         f.write(message)
+    # both ranks tear down together: gloo aborted a rank (SIGABRT, "terminate called without an
+    # active exception") once in a full suite run (4 reruns alone passed), likely on a peer that
+    # had already closed the connection
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -14,6 +14,7 @@ from autopar.errors import AutoparError
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp32")
+TP_OBJECTIVES = ("time", "memory")
 
 
 class StrategyError(AutoparError):
@@ -48,6 +49,10 @@ class Strategy:
     """Megatron sequence parallelism on the TP axis (norms and dropout sharded by sequence)."""
     dtype: str = "bf16"
     """Compute dtype; bf16/fp16 keep fp32 master weights and Adam states."""
+    tp_objective: str = "time"
+    """What the per-operator TP choice minimises (tp > 1): ``time``, the fastest layout, or
+    ``memory``, the fastest of the leanest (e.g. a large embedding split by vocabulary where
+    keeping it whole would save its collective)."""
     layout: tuple[tuple[int, int, int], ...] = ()
     """Blocks per pipeline rank as (no recompute, selective, full) counts, rank 0 first;
     empty: an even split with ``recompute`` for every block. The embedding runs on rank 0,
@@ -64,6 +69,10 @@ class Strategy:
             raise StrategyError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.schedule not in SCHEDULES:
             raise StrategyError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.tp_objective not in TP_OBJECTIVES:
+            raise StrategyError(
+                f"tp_objective must be one of {', '.join(TP_OBJECTIVES)}, got {self.tp_objective!r}"
+            )
         if self.dtype not in DTYPES:
             raise StrategyError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.virtual_stages > 1 and self.schedule != "interleaved":

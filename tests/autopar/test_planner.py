@@ -17,7 +17,8 @@ from autopar.cost_models.profile import ModelProfile, at_micro_batch
 from autopar.cost_models.strategy import RECOMPUTE, Strategy
 from autopar.costing import profile_fn
 from autopar.layout_ilp import MIP_GAP
-from autopar.planner import Constraints, TPLayouts, make_plan, outer_strategies
+from autopar.planner import Constraints, make_plan, outer_strategies
+from autopar.tp_layouts import TPLayouts
 from autopar.zoo import GPT, GPTConfig
 
 LAYERS, SEQ = 4, 128
@@ -70,7 +71,7 @@ def brute_force(profile_at, cluster: Cluster, *, global_batch: int, c: Constrain
                 cluster, blocks=LAYERS, heads=4, global_batch=global_batch, seq=SEQ, dtype="bf16", c=cc
             )
         )
-    for st in space:
+    for st in (v for s in space for v in layouts.variants(s)):  # fastest and leanest TP layouts
         prof = profile_at(st.micro_batch)
         for layout in _layouts(LAYERS, st.pp, st.virtual_stages, c.recompute):
             chosen = replace(st, layout=layout)
@@ -155,6 +156,52 @@ def test_plan_round_trips_and_validates(profile_at, tmp_path) -> None:
             tp_layout=TPLayouts(profile_at, cluster, "bf16")(st),
         ).step_time_s
     )
+
+
+def test_leanest_tp_layout_is_planned_when_the_fastest_does_not_fit() -> None:
+    """h 1024 on two H100s without SP: the fastest per-operator layout keeps attention whole,
+    the leanest splits it. With a memory cap between their peaks the planner takes the leanest
+    (and says so); without a cap the fastest."""
+    cfg = GPTConfig(n_layer=4, n_embd=1024, n_head=16, vocab_size=512, block_size=512)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    prof = profile_fn(model, dtype="bf16", seq=512)
+    cluster = Cluster.preset("dgx-h100", gpus_per_node=2)
+    c = Constraints(
+        tp=2,
+        pp=1,
+        dp=1,
+        zero=0,
+        micro_batch=1,
+        sequence_parallel=False,
+        reserve_bytes=0.0,
+        recompute=RECOMPUTE[:1],
+    )
+    layouts = TPLayouts(prof, cluster, "bf16")
+    fast = Strategy(tp=2, global_batch=2, seq=512)
+    peaks = {
+        objective: estimate(prof(1), cluster, st, reserve_bytes=0.0, tp_layout=layouts(st))
+        .memory[0]
+        .peak_bytes
+        for objective in ("time", "memory")
+        for st in [replace(fast, tp_objective=objective)]
+    }
+    assert peaks["memory"] < peaks["time"]
+    free = make_plan("t", prof, cluster, global_batch=2, seq=512, constraints=c).plan
+    tight = make_plan(
+        "t",
+        prof,
+        cluster,
+        global_batch=2,
+        seq=512,
+        constraints=replace(c, memory_cap_bytes=(peaks["time"] + peaks["memory"]) / 2),
+    ).plan
+    assert free.strategy.tp_objective == "time" and tight.strategy.tp_objective == "memory"
+    assert "TP layout: leanest" in tight.text() and "leanest" not in free.text()
+    blocks = {name: ops for name, ops in tight.tensor_parallel}
+    assert any(key.startswith("attn:") and name == "heads" for key, name, _ in blocks["Block"])
+    assert tight.predicted["step_time_s"] > free.predicted["step_time_s"]
+    assert Plan.from_json(tight.to_json()) == tight
 
 
 def test_plan_beats_the_hand_heuristic_and_megatron_on_zoo_models() -> None:

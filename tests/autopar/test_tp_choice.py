@@ -7,9 +7,18 @@ import pytest
 import torch
 
 from autopar import Cluster
+from autopar.errors import AutoparError
 from autopar.graph import capture
 from autopar.passes.tp_rules import strategies
-from autopar.tp_choice import choose_layer, layer_nodes, op_keys, plan_table
+from autopar.tp_choice import (
+    choose_layer,
+    layer_nodes,
+    op_keys,
+    op_memory_bytes,
+    param_numel,
+    param_owners,
+)
+from autopar.tp_layouts import plan_table
 from autopar.zoo import GPT, GPTConfig
 
 
@@ -65,6 +74,7 @@ def test_megatron_layout_emerges_for_gpt(tp: int) -> None:
         boundary(nodes, False)[1],
         "R",
         set(),  # a block feeds no model output
+        0.0,  # memory: not compared here
     )
     assert (
         sorted((c.kind, c.phase) for c in pure.collectives if c.kind == "all_reduce")
@@ -128,3 +138,38 @@ def test_plan_table_is_keyed_by_module_and_op() -> None:
     keys1 = list(op_keys(layer_nodes(cap.gm, 1), "blocks.0").values())
     keys2 = list(op_keys(layer_nodes(cap.gm, 2), "blocks.1").values())
     assert keys1 == keys2  # the same names in every block
+
+
+def test_memory_objective_and_budget_trade_time_for_memory() -> None:
+    """At h 1024 without SP the fastest layout keeps attention whole on one H100 pair (its
+    all-reduces cost more than the split saves); the leanest splits it (Megatron), holding less
+    for more time; a budget between the two is met, one below the least is a clear error."""
+    cap = _gpt(n_embd=1024, n_head=16, seq=512)
+    cluster = Cluster.preset("dgx-h100")
+    fast = choose_layer(cap.gm, 1, 2, cluster, dtype="bf16")
+    lean = choose_layer(cap.gm, 1, 2, cluster, dtype="bf16", objective="memory")
+    assert "blocks.0.attn" not in fast.modules, fast.modules
+    assert lean.modules == MEGATRON
+    assert lean.memory_bytes < 0.8 * fast.memory_bytes
+    assert fast.time_s < lean.time_s
+    middle = (fast.memory_bytes + lean.memory_bytes) / 2
+    bounded = choose_layer(cap.gm, 1, 2, cluster, dtype="bf16", memory_budget_bytes=middle)
+    assert bounded.memory_bytes <= middle
+    assert fast.time_s <= bounded.time_s <= lean.time_s * (1 + 1e-9)
+    with pytest.raises(AutoparError, match="within"):
+        choose_layer(cap.gm, 1, 2, cluster, dtype="bf16", memory_budget_bytes=lean.memory_bytes / 2)
+
+
+def test_memory_of_a_replicated_layer_is_its_states_and_saved_tensors() -> None:
+    """Everything replicated: 16 bytes per parameter (bf16 weight and gradient, fp32 master,
+    momentum, variance) plus every byte the block's operators save for backward."""
+    cap = _gpt(n_embd=256, n_head=4, seq=128)
+    nodes = layer_nodes(cap.gm, 1)
+    owners = param_owners(nodes)
+    params = 12 * 256**2 + 13 * 256  # a GPT block: QKV, projection, 4h MLP, two norms, biases
+    assert sum(param_numel(p) for p in owners.values()) == params
+    held = sum(
+        op_memory_bytes(n, strategies(n, 2)[0], 2, state_bytes_per_param=16, owners=owners) for n in nodes
+    )
+    saved = sum(n.meta["autopar.saved_bytes"] for n in nodes)
+    assert held == 16 * params + saved

@@ -14,7 +14,8 @@ from autopar.costing import profile_fn
 from autopar.passes.tp_rules import SHARDING
 from autopar.plan import Plan
 from autopar.planner import Constraints, make_plan
-from autopar.tp_choice import LOSS, layer_choices, step_collectives
+from autopar.tp_choice import LOSS, step_collectives
+from autopar.tp_layouts import layer_choices
 from autopar.verify import compare, dp_worker, run_reference, spawn_plans
 from autopar.zoo import GPT, GPTConfig, hf
 from autopar.zoo.llama import Llama, LlamaConfig
@@ -36,11 +37,27 @@ def make_llama() -> torch.nn.Module:
     return Llama(LLAMA_CFG)
 
 
-def _plan(make, *, tp: int, dp: int, zero: int = 0, sp: bool = False, recompute: str = "none") -> Plan:
+def _plan(
+    make,
+    *,
+    tp: int,
+    dp: int,
+    zero: int = 0,
+    sp: bool = False,
+    recompute: str = "none",
+    objective: str = "time",
+) -> Plan:
     with torch.device("meta"):
         meta = make()
     cons = Constraints(
-        tp=tp, pp=1, dp=dp, zero=zero, micro_batch=2, recompute=(recompute,), sequence_parallel=sp
+        tp=tp,
+        pp=1,
+        dp=dp,
+        zero=zero,
+        micro_batch=2,
+        recompute=(recompute,),
+        sequence_parallel=sp,
+        tp_objective=objective,
     )
     return make_plan(
         "tiny",
@@ -86,6 +103,8 @@ def world2(tmp_path_factory):
     # blocks are outlined into submodules, so TP plans recompute like any other
     plans += [_plan(make_gpt, tp=2, dp=1, sp=True, recompute="full")]
     plans += [_plan(make_gpt, tp=2, dp=1, recompute="selective")]
+    # the leanest layout: the tied embedding/head and the position embedding split by rows too
+    plans += [_plan(make_gpt, tp=2, dp=1, objective="memory")]
     return plans, _run(make_gpt, plans, 2, tmp_path_factory.mktemp("tp2"))
 
 
@@ -104,14 +123,28 @@ def test_megatron_plan_for_the_gpt(world2) -> None:
     assert rows == {"attn.c_proj": "S1", "mlp.c_proj": "S1"}
 
 
+def test_leanest_layout_splits_what_the_fastest_keeps_whole(world2) -> None:
+    (fast, *_, lean), _ = world2
+    assert _sharded(fast, "embed") == {} and _sharded(fast, "head") == {}  # V 64: no collective pays
+    assert _sharded(lean, "embed") == {"wte": "vocab", "wpe": "vocab"}
+    assert _sharded(lean, "head") == {"lm_head": "column"}
+    assert _sharded(lean, "Block") == _sharded(fast, "Block")
+    # the outer model sees the embedding's states halved and the slower layout
+    assert lean.predicted["memory"][0]["weights"] < fast.predicted["memory"][0]["weights"]
+    assert lean.predicted["step_time_s"] > fast.predicted["step_time_s"]
+
+
 @pytest.mark.parametrize(
-    "index", [0, 1, 2, 3], ids=["tp2", "tp2-sp", "tp2-sp-full-recompute", "tp2-selective-recompute"]
+    "index",
+    [0, 1, 2, 3, 4],
+    ids=["tp2", "tp2-sp", "tp2-sp-full-recompute", "tp2-selective-recompute", "tp2-leanest"],
 )
 def test_tp2_gpt_matches_single_process(world2, index: int) -> None:
     plans, (data, results) = world2
     gap, worst = _check(make_gpt, data, results[index])
     st = plans[index].strategy
     what = f"SP {st.sequence_parallel}, recompute {plans[index].stages[0].recompute_summary}"
+    what += f", TP objective {st.tp_objective}"
     print(f"TP2 GPT ({what}): max loss diff {gap:.1e}, max parameter diff (SGD) {worst:.1e}")
 
 
@@ -128,16 +161,18 @@ def _predicted_counts(make, plan: Plan) -> dict[str, int]:
     names["reduce_scatter"] = "reduce_scatter_tensor"
     counts: dict[str, int] = {}
     cluster = Cluster.from_dict(plan.cluster)
-    for repeats, _, choice in layer_choices(cap, cluster, st.tp, "fp32", sp=st.sequence_parallel):
+    sp, objective = st.sequence_parallel, st.tp_objective
+    choices = layer_choices(cap, cluster, st.tp, "fp32", sp=sp, objective=objective)
+    for repeats, _, choice in choices:
         for c in choice.collectives:
             if c.at != LOSS:
                 counts[names[c.kind]] = counts.get(names[c.kind], 0) + repeats * st.micro_batches
-    for kind, _ in step_collectives(st.sequence_parallel):
+    for kind, _ in step_collectives([choice for _, _, choice in choices]):
         counts[names[kind]] = counts.get(names[kind], 0) + 1
     return counts
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["tp2", "tp2-sp"])
+@pytest.mark.parametrize("index", [0, 1, 4], ids=["tp2", "tp2-sp", "tp2-leanest"])
 def test_collectives_counted_match_the_plan(world2, index: int) -> None:
     plans, (_, results) = world2
     # one step, forward and backward of every micro-batch, counted under a dispatch mode
@@ -160,13 +195,23 @@ def test_tp4_and_tp2_by_dp2_zero3(tmp_path) -> None:
 
 
 def test_tp2_llama_gqa_rope_sequence_parallel(tmp_path) -> None:
-    plan = _plan(make_llama, tp=2, dp=1, sp=True)
-    decided = _sharded(plan)
+    """Also the leanest layout: the (untied) embedding split by vocabulary, the head by columns."""
+    plans = [
+        _plan(make_llama, tp=2, dp=1, sp=True),
+        _plan(make_llama, tp=2, dp=1, sp=True, objective="memory"),
+    ]
+    decided = _sharded(plans[0])
     assert decided.get("attention.wk") == "column" and decided.get("feed_forward.w2") == "row", decided
-    data, results = _run(make_llama, [plan], 2, tmp_path)
-    gap, worst = _check(make_llama, data, results[0])
-    assert results[0]["collectives"] == _predicted_counts(make_llama, plan)
-    print(f"TP2 SP Llama (GQA 8/4 heads, RoPE): max loss diff {gap:.1e}, parameter diff {worst:.1e}")
+    assert _sharded(plans[1], "embed") == {"tok_embeddings": "vocab"}
+    assert _sharded(plans[1], "head") == {"output": "column"}
+    data, results = _run(make_llama, plans, 2, tmp_path)
+    for plan, got in zip(plans, results, strict=True):
+        gap, worst = _check(make_llama, data, got)
+        assert got["collectives"] == _predicted_counts(make_llama, plan)
+        print(
+            f"TP2 SP Llama (GQA 8/4 heads, RoPE; TP objective {plan.strategy.tp_objective}): "
+            f"max loss diff {gap:.1e}, parameter diff {worst:.1e}"
+        )
 
 
 make_hf_gpt2 = functools.partial(hf.gpt2, width=256, seq=SEQ)
