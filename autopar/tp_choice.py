@@ -9,6 +9,9 @@ Zheng et al., "Alpa", OSDI'22, §4.1, solved with PuLP + HiGHS:
     min  Σ_v Σ_s x[v,s]·(compute(v)·frac(s) + own_comm(v,s))
        + Σ_(u, p→q) z[u,p,q]·reshard(p → q)
     s.t. Σ_s x[v,s] = 1                           (one strategy per operator)
+         Σ_v Σ_s x[v,s]·mem(v,s) ≤ budget          (memory, when a budget is given: the
+                                                  weights' states ÷ t where split, plus saved
+                                                  activations; ``op_memory_bytes``)
          z[u,p,q] ≥ x[u,a] + x[v,b] − 1           for each consumer v of u with out(a) = p,
                                                   in_v(b) = q (one conversion per tensor and
                                                   placement, shared by its consumers, as the
@@ -31,6 +34,9 @@ Resharding costs (bytes N of the full tensor, ring collectives of ``cost_models.
 
 A row-parallel linear all-reduces its own output (Megatron ``g``): all-reduce N forward (or,
 under sequence parallelism, reduce-scatters it: forward, with an all-gather backward).
+The ``memory`` objective first minimises Σ mem (M*), then time under Σ mem ≤ 1.01·M*: the
+leanest layout, which the planner prices next to the fastest (``tp_layouts.TPLayouts``).
+
 Megatron's block layout (column QKV and first MLP linear, heads-split attention,
 row output and second MLP linear: one all-reduce per sub-block each way) is not
 written anywhere here: it is what these costs select.
@@ -72,6 +78,12 @@ from autopar.passes.tp_rules import (
     stream_placement,
     tensor_args,
     vocab_parallel_output,
+)
+from autopar.tp_memory import (
+    op_memory_bytes,
+    param_owners,
+    param_placement,
+    partial_params,
 )
 
 INFEASIBLE = float("inf")
@@ -268,79 +280,6 @@ def own_collectives(n: fx.Node, s: OpStrategy) -> list[Collective]:
     return found
 
 
-def partial_params(n: fx.Node, s: OpStrategy) -> bool:
-    """Whether ``s`` applies a replicated parameter of ``n`` to a token shard (as the rewrite's
-    ``partial_grads``): a following operator with parameters, or a row-parallel bias added to a
-    sequence shard."""
-    params = any(isinstance(a, fx.Node) and a.op == "get_attr" for a in n.args)
-    if s.reduce_param_grads:
-        return params
-    if s.name == "row" and n.target in LINEAR_ARGS and shard_dim(s.out) is not None:
-        return isinstance(linear_parts(n)[2], fx.Node)
-    return False
-
-
-def _param_placement(s: OpStrategy, n: fx.Node, pos: int) -> str:
-    """Placement strategy ``s`` of node ``n`` gives the parameter at argument ``pos``."""
-    if n.target in LINEAR_ARGS:
-        _, wi, bi, _ = LINEAR_ARGS[n.target]
-        role = "weight" if pos == wi else "bias" if pos == bi else ""
-    else:
-        role = "weight" if pos == 0 and s.name == "vocab" else ""
-    return s.params.get(role, R)
-
-
-def param_owners(nodes: list[fx.Node]) -> dict[tuple[str, int], fx.Node]:
-    """(node, argument position) → the parameter's ``get_attr`` node, for the first reader of each
-    parameter among ``nodes``: a weight read twice (tied embedding and head) is held, and
-    counted, once."""
-    found: dict[tuple[str, int], fx.Node] = {}
-    seen: set[str] = set()
-    for n in nodes:
-        for pos, arg in enumerate(n.args):
-            if isinstance(arg, fx.Node) and arg.op == "get_attr" and str(arg.target) not in seen:
-                seen.add(str(arg.target))
-                found[n.name, pos] = arg
-    return found
-
-
-def param_numel(n: fx.Node) -> int:
-    """Elements of the parameter ``get_attr`` node ``n`` reads."""
-    return _prod(tuple(n.meta.get("autopar.shape") or n.meta["val"].shape))
-
-
-def param_split(s: OpStrategy, n: fx.Node, pos: int) -> bool:
-    """Whether strategy ``s`` of node ``n`` splits the parameter at argument ``pos`` t ways."""
-    return shard_dim(_param_placement(s, n, pos)) is not None
-
-
-def op_memory_bytes(
-    n: fx.Node, s: OpStrategy, t: int, *, state_bytes_per_param: int, owners: dict[tuple[str, int], fx.Node]
-) -> float:
-    """Bytes one rank holds for operator ``n`` under strategy ``s``.
-
-    Model states: each parameter ``n`` owns (``param_owners``) at ``state_bytes_per_param``
-    (16: 16-bit weight and gradient, fp32 master, momentum and variance; ZeRO, SC'20 §3.1) ÷ t
-    where ``s`` splits it. Saved activations (``autopar.saved``, at the captured micro-batch): a
-    saved tensor shaped like an input or output the strategy splits counts ÷ t, one shaped like
-    a replicated input or output counts whole (a column-parallel linear keeps its whole input),
-    any other (softmax statistics) ÷ t where the operator's work is split."""
-    state = 0.0
-    for pos, _ in enumerate(n.args):
-        if (n.name, pos) in owners:
-            split = param_split(s, n, pos)
-            state += param_numel(owners[n.name, pos]) * state_bytes_per_param / (t if split else 1)
-    placed = [(out_shape(n), s.out)] + [
-        (out_shape(u), s.inputs[i] if i < len(s.inputs) else R) for i, u in enumerate(tensor_args(n))
-    ]
-    saved = 0.0
-    for shape, nbytes in n.meta.get("autopar.saved", ()):
-        places = [p for sh, p in placed if sh == tuple(shape)]
-        split = any(shard_dim(p) is not None for p in places) if places else s.compute_fraction < 1
-        saved += nbytes / (t if split else 1)
-    return state + saved
-
-
 def _ring_s(kind: str, size_bytes: int, t: int, link: GroupLink) -> float:
     """Seconds of one collective (ring alpha-beta, or the cluster's measured fit)."""
     if kind == "all_reduce":
@@ -459,15 +398,15 @@ def choose_layer(
     tied = itertools.count()
     for users in readers.values():
         for (u, pu), (v, pv) in itertools.pairwise(users):
-            for place in {_param_placement(s, u, pu) for s in options[u]} | {
-                _param_placement(s, v, pv) for s in options[v]
+            for place in {param_placement(s, u, pu) for s in options[u]} | {
+                param_placement(s, v, pv) for s in options[v]
             }:
                 prob += (
                     pulp.lpSum(
-                        x[u, i] for i, s in enumerate(options[u]) if _param_placement(s, u, pu) == place
+                        x[u, i] for i, s in enumerate(options[u]) if param_placement(s, u, pu) == place
                     )
                     == pulp.lpSum(
-                        x[v, i] for i, s in enumerate(options[v]) if _param_placement(s, v, pv) == place
+                        x[v, i] for i, s in enumerate(options[v]) if param_placement(s, v, pv) == place
                     ),
                     f"tied_{next(tied)}",
                 )
@@ -477,7 +416,11 @@ def choose_layer(
         prob.setObjective(memory / 2**20)
         _solve(prob, time_limit_s, f"no tensor-parallel layout of layer {layer} at tp {t}{within}")
         least = pulp.value(memory)
-        if fastest is not None and fastest.memory_bytes <= least * (1 + LEAN_SLACK) + 1:
+        if (
+            fastest is not None
+            and memory_budget_bytes is None
+            and fastest.memory_bytes <= least * (1 + LEAN_SLACK) + 1
+        ):
             return fastest  # the fastest layout is lean enough: it is also the answer
         prob += memory <= least * (1 + LEAN_SLACK) + 1, "leanest"
     # seconds are ~1e-6: scale the objective so the solver's tolerances don't swallow it
@@ -564,10 +507,6 @@ __all__ = [
     "layer_nodes",
     "needs_grad",
     "op_keys",
-    "op_memory_bytes",
-    "param_numel",
-    "param_owners",
-    "param_split",
     "reshard",
     "step_collectives",
 ]

@@ -29,10 +29,8 @@ from autopar.tp_choice import (
     index_graph,
     layer_nodes,
     op_keys,
-    param_numel,
-    param_owners,
-    param_split,
 )
+from autopar.tp_memory import param_numel, param_owners, param_split
 
 
 def plan_table(

@@ -14,11 +14,9 @@ from autopar.tp_choice import (
     choose_layer,
     layer_nodes,
     op_keys,
-    op_memory_bytes,
-    param_numel,
-    param_owners,
 )
 from autopar.tp_layouts import plan_table
+from autopar.tp_memory import op_memory_bytes, param_numel, param_owners
 from autopar.zoo import GPT, GPTConfig
 
 
