@@ -18,6 +18,7 @@ from rich.table import Table
 from autopar.cli_common import count, progress
 from autopar.cli_plan import cmd_plan, cmd_verify
 from autopar.cli_profile import add_parsers, cmd_calibrate, cmd_profile, cmd_profile_comm
+from autopar.cost_models.strategy import TP_OBJECTIVES
 from autopar.errors import AutoparError
 from autopar.units import format_bytes, format_si
 
@@ -49,7 +50,7 @@ def _add_constraint_flags(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--tp-objective",
-        choices=["time", "memory"],
+        choices=TP_OBJECTIVES,
         default=None,
         help="what the per-operator TP choice minimises (default: the planner prices both)",
     )
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
     p.add_argument(
         "--tp-objective",
-        choices=["time", "memory"],
+        choices=TP_OBJECTIVES,
         default="time",
         help="what the per-operator TP choice minimises (default time)",
     )

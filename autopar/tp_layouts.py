@@ -1,7 +1,7 @@
 """What the per-operator TP choice (``tp_choice``) means for a whole model and for the planner.
 
 ``layer_choices`` runs one ``choose_layer`` ILP per block type and one for embedding and head;
-``tp_layout`` sums a choice up for the outer cost model (collectives per sequence, parameters
+``layout_of`` sums a choice up for the outer cost model (collectives per sequence, parameters
 per rank); ``tp_tables`` writes it into the Plan; ``TPLayouts`` caches the layouts the planner's
 search prices, and offers the leanest layout as a second candidate where it differs from the
 fastest (the per-operator ILP trades time for memory; the outer search, which knows the
@@ -117,15 +117,6 @@ def layout_of(
     return out
 
 
-def tp_layout(
-    cap: CapturedModel, cluster: Cluster, tp: int, dtype: str, *, sp: bool = False, objective: str = "time"
-) -> TPLayout:
-    """``layout_of`` the per-operator choices at width ``tp``."""
-    if tp == 1:
-        return {}
-    return layout_of(cap, tp, layer_choices(cap, cluster, tp, dtype, sp=sp, objective=objective))
-
-
 def tp_tables(
     profile: ModelProfile,
     cluster: Cluster,
@@ -157,7 +148,7 @@ LEAN_GAIN = 0.01
 
 
 class TPLayouts:
-    """Strategy → the per-operator TP choice at its width (``tp_layout``), solved once per
+    """Strategy → the per-operator TP choice at its width (``layout_of``), solved once per
     (tp, sp, objective) on the graph captured at micro-batch 1 (collective sizes scale with the
     micro-batch); None at tp 1 or when no graph was captured. The outer search prices tensor
     parallelism with what the chosen operators issue and keep, not with Megatron's count."""
@@ -221,4 +212,4 @@ def lay(layouts: TPLayouts | None, st: Strategy) -> TPLayout | None:
     return layouts(st) if layouts else None
 
 
-__all__ = ["TPLayouts", "lay", "layer_choices", "layout_of", "plan_table", "tp_layout", "tp_tables"]
+__all__ = ["TPLayouts", "lay", "layer_choices", "layout_of", "plan_table", "tp_tables"]

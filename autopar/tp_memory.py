@@ -1,6 +1,5 @@
-"""What a per-operator TP strategy keeps on one rank: which parameters it splits, whether their
-gradients are partial sums, and the bytes it holds (model states and saved activations), the
-memory term of ``tp_choice``'s ILP."""
+"""What a per-operator TP strategy keeps on one rank: which parameters it splits and the bytes it
+holds (model states and saved activations), the memory term of ``tp_choice``'s ILP."""
 
 from __future__ import annotations
 
@@ -12,23 +11,10 @@ from autopar.passes.tp_rules import (
     LINEAR_ARGS,
     OpStrategy,
     R,
-    linear_parts,
     out_shape,
     shard_dim,
     tensor_args,
 )
-
-
-def partial_params(n: fx.Node, s: OpStrategy) -> bool:
-    """Whether ``s`` applies a replicated parameter of ``n`` to a token shard (as the rewrite's
-    ``partial_grads``): a following operator with parameters, or a row-parallel bias added to a
-    sequence shard."""
-    params = any(isinstance(a, fx.Node) and a.op == "get_attr" for a in n.args)
-    if s.reduce_param_grads:
-        return params
-    if s.name == "row" and n.target in LINEAR_ARGS and shard_dim(s.out) is not None:
-        return isinstance(linear_parts(n)[2], fx.Node)
-    return False
 
 
 def param_placement(s: OpStrategy, n: fx.Node, pos: int) -> str:
@@ -77,7 +63,7 @@ def op_memory_bytes(
     a replicated input or output counts whole (a column-parallel linear keeps its whole input),
     any other (softmax statistics) ÷ t where the operator's work is split."""
     state = 0.0
-    for pos, _ in enumerate(n.args):
+    for pos in range(len(n.args)):
         if (n.name, pos) in owners:
             split = param_split(s, n, pos)
             state += param_numel(owners[n.name, pos]) * state_bytes_per_param / (t if split else 1)
@@ -98,5 +84,4 @@ __all__ = [
     "param_owners",
     "param_placement",
     "param_split",
-    "partial_params",
 ]

@@ -127,7 +127,8 @@ class TPLayer:
     """What the per-operator tensor-parallel choice of one layer type costs (``tp_choice``)."""
 
     collectives: tuple[tuple[str, str, float], ...]
-    """(kind, phase forward/backward/step, bytes per sequence) of each collective it issues."""
+    """(kind, phase forward/backward, bytes per sequence) of each collective it issues per
+    micro-batch (the once-per-step partial-gradient all-reduce is not priced)."""
     local_params: float
     """Parameters one rank holds (a weight the choice keeps replicated counts whole)."""
 

@@ -39,6 +39,7 @@ from autopar.passes.tp_rules import (
     cut_dim,
     fused_chunks,
     linear_parts,
+    partial_grad_params,
     shard_dim,
     tensor_args,
     vocab_parallel_output,
@@ -279,6 +280,7 @@ def tensor_parallel(
         s = chosen.get(node.name)
         if s is None:
             continue
+        partial_grads.update(str(p.target) for p in partial_grad_params(node, s))  # before args change
         # 1. the inputs: insert the placement change each input needs
         for slot, src in enumerate(tensor_args(node)):
             convert(node, src, s.inputs[slot] if slot < len(s.inputs) else R)
@@ -304,9 +306,6 @@ def tensor_parallel(
                     node.target, node.args = aten.mm.default, (x, lw)
                 else:
                     node.args = (x, lw, None)
-                if lb is not None and shard_dim(s.out) is not None:
-                    assert isinstance(b, fx.Node)  # the bias meets a sequence shard: partial gradient
-                    partial_grads.add(str(b.target))
                 reduce_partials(node, s, lb)
         if s.name == "vocab":  # vocabulary-parallel lookup: rows outside this rank's range are 0
             w, ids = node.args[0], node.args[1]
@@ -316,10 +315,6 @@ def tensor_parallel(
             lo, hi = rank * vocab // t, (rank + 1) * vocab // t
             node.target, node.args = vocab_embedding, (lw, ids, lo, hi)
             reduce_partials(node, s, None)
-        if s.reduce_param_grads:
-            partial_grads.update(
-                str(a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"
-            )
         d = shard_dim(s.out)
         if d is not None and node.target in (*RESHAPES, aten.expand.default):
             node.args = (node.args[0], _divide(node.args[1], d, t), *node.args[2:])

@@ -422,6 +422,20 @@ def propagate(
     return out
 
 
+def partial_grad_params(node: fx.Node, s: OpStrategy) -> list[fx.Node]:
+    """The replicated parameters strategy ``s`` applies to a token shard, so that each rank's
+    gradient of them is a partial sum (all-reduced over the TP group once per step): every
+    parameter of an operator that runs on a shard with ``reduce_param_grads`` (a norm under
+    sequence parallelism), and the bias of a row-parallel linear whose output is split over the
+    sequence."""
+    if s.reduce_param_grads:
+        return [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    if s.name == "row" and node.target in LINEAR_ARGS and shard_dim(s.out) is not None:
+        bias = linear_parts(node)[2]
+        return [bias] if isinstance(bias, fx.Node) else []
+    return []
+
+
 def vocab_parallel_output(n: fx.Node, out: str) -> bool:
     """Whether the model output ``n`` (logits) leaves split over its last dim (the vocabulary):
     the loss is then computed vocab-parallel instead of gathering the logits."""
@@ -442,6 +456,7 @@ __all__ = [
     "cut_dim",
     "fused_chunks",
     "linear_parts",
+    "partial_grad_params",
     "propagate",
     "shard_dim",
     "strategies",

@@ -154,6 +154,10 @@ def test_memory_objective_and_budget_trade_time_for_memory() -> None:
     bounded = choose_layer(cap.gm, 1, 2, cluster, dtype="bf16", memory_budget_bytes=middle)
     assert bounded.memory_bytes <= middle
     assert fast.time_s <= bounded.time_s <= lean.time_s * (1 + 1e-9)
+    print(
+        f"h 1024 block at tp 2: fastest {fast.memory_bytes / 2**20:.1f} MiB, {1e3 * fast.time_s:.3f} ms; "
+        f"leanest {lean.memory_bytes / 2**20:.1f} MiB, {1e3 * lean.time_s:.3f} ms"
+    )
     with pytest.raises(AutoparError, match="within"):
         choose_layer(cap.gm, 1, 2, cluster, dtype="bf16", memory_budget_bytes=lean.memory_bytes / 2)
 
