@@ -1,50 +1,21 @@
-"""autopar: a compiler that makes large-model training parallel by itself."""
+"""autopar: a compiler that makes large-model training parallel by itself.
 
-from torch import nn
+The pipeline, one package per stage (``docs/architecture.md``): ``graph`` captures the model,
+``cost_models`` price choices, ``planner`` solves for a ``Plan``, ``passes`` rewrite the graph
+by it, ``runtime`` trains it on torch.distributed, ``measure`` profiles, calibrates and
+verifies, ``cli`` is the command line. ``api`` puts planner and runtime together.
+"""
 
+from autopar.api import parallelize, plan
 from autopar.cluster import Cluster, DeviceSpec, LinkSpec
-from autopar.errors import AutoparError, CaptureError, ClusterSpecError, ModelSpecError
+from autopar.errors import AutoparError, CaptureError, ClusterSpecError, InfeasibleError, ModelSpecError
 from autopar.graph import CapturedModel, capture
-from autopar.models import meta_parameters
 from autopar.plan import Plan
-from autopar.planner import Constraints, InfeasibleError
-from autopar.runtime import ParallelModel, init_distributed, parallelize
+from autopar.request import Constraints, PlanRequest
+from autopar.runtime import ParallelModel, init_distributed
+from autopar.zoo.spec import meta_parameters
 
 __version__ = "0.1.0"
-
-
-def plan(
-    model: str | nn.Module,
-    cluster: Cluster,
-    *,
-    global_batch: int,
-    seq_len: int,
-    dtype: str = "bf16",
-    constraints: Constraints | None = None,
-    top_k: int = 5,
-    time_limit_s: float = 10.0,
-) -> Plan:
-    """The fastest predicted plan for ``model`` (a module or a MODEL spec) on ``cluster``.
-
-    Raises ``InfeasibleError`` when nothing fits (the message says what would).
-    """
-    from autopar.costing import profile_fn
-    from autopar.planner import make_plan
-
-    name = model if isinstance(model, str) else type(model).__name__
-    result = make_plan(
-        name,
-        profile_fn(model, dtype=dtype, seq=seq_len),
-        cluster,
-        global_batch=global_batch,
-        seq=seq_len,
-        dtype=dtype,
-        constraints=constraints or Constraints(),
-        top_k=top_k,
-        time_limit_s=time_limit_s,
-    )
-    return result.plan
-
 
 __all__ = [
     "AutoparError",
@@ -59,6 +30,7 @@ __all__ = [
     "ModelSpecError",
     "ParallelModel",
     "Plan",
+    "PlanRequest",
     "capture",
     "init_distributed",
     "meta_parameters",

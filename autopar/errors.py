@@ -21,3 +21,7 @@ class ModelSpecError(AutoparError):
 
 class CaptureError(AutoparError):
     """The model cannot be captured into a graph (names the module and source line)."""
+
+
+class InfeasibleError(AutoparError):
+    """No plan fits in memory (the message says what would)."""

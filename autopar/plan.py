@@ -13,9 +13,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from autopar.cost_models.strategy import Strategy
 from autopar.errors import AutoparError
-from autopar.passes.tp_rules import SHARDING
+from autopar.strategy import SHARDING, Strategy
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,8 +15,8 @@ import time
 
 from autopar.cluster import Cluster
 from autopar.cost_models.estimate import estimate
-from autopar.cost_models.strategy import Strategy
-from autopar.costing import profile_model
+from autopar.planner import ModelProfiles
+from autopar.strategy import Strategy
 
 CASES = [
     (
@@ -48,7 +48,7 @@ def main() -> int:
     worst = 0.0
     for model, preset, nodes, kw in CASES:
         strategy = Strategy(micro_batch=1, **kw)  # type: ignore[arg-type]
-        profile = profile_model(model, dtype="bf16", micro_batch=1, seq=strategy.seq)
+        profile = ModelProfiles.of(model, dtype="bf16", seq=strategy.seq).base
         cluster = Cluster.preset(preset, nodes=nodes)
         times = []
         for _ in range(200):

@@ -17,21 +17,21 @@ import time
 
 import torch
 
-from autopar import Cluster
-from autopar.costing import profile_fn
-from autopar.planner import make_plan
+from autopar import Cluster, PlanRequest
+from autopar.planner import ModelProfiles, make_plan
 from autopar.zoo import GPT, GPTConfig
 
 
 def timed(name: str, model, cluster: Cluster, batch: int, seq: int, runs: int = 3) -> float:
     t0 = time.perf_counter()
-    profile_at = profile_fn(model, dtype="bf16", seq=seq)
-    profile_at(1), profile_at(2)
+    profiles = ModelProfiles.of(model, dtype="bf16", seq=seq)
+    profiles.at(1), profiles.at(2)
     capture_s = time.perf_counter() - t0
     times, result = [], None
     for _ in range(runs):
         t0 = time.perf_counter()
-        result = make_plan(name, profile_at, cluster, global_batch=batch, seq=seq)
+        request = PlanRequest(model=model, name=name, cluster=cluster, global_batch=batch, seq=seq)
+        result = make_plan(request, profiles)
         times.append(time.perf_counter() - t0)
     assert result is not None
     st, pred = result.plan.strategy, result.plan.predicted

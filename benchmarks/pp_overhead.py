@@ -21,9 +21,8 @@ import torch
 from timing import alternate, join, report, run_two  # benchmarks/timing.py
 from torch import nn
 
-from autopar import Cluster
-from autopar.costing import profile_fn
-from autopar.planner import Constraints, make_plan
+from autopar import Cluster, Constraints, PlanRequest
+from autopar.planner import make_plan
 from autopar.runtime import lm_loss, parallelize
 from autopar.zoo.llama import Llama, LlamaConfig
 
@@ -104,17 +103,18 @@ def main() -> int:
     args = parser.parse_args()
     with torch.device("meta"):
         meta = Llama(CFG)
-    plan = make_plan(
-        "bench-llama",
-        profile_fn(meta, dtype="fp32", seq=SEQ),
-        Cluster.preset("cpu"),
+    request = PlanRequest(
+        model=meta,
+        name="bench-llama",
+        cluster=Cluster.preset("cpu"),
         global_batch=BATCH,
         seq=SEQ,
         dtype="fp32",
         constraints=Constraints(
             tp=1, pp=2, dp=1, zero=0, micro_batch=MICRO, recompute=("none",), schedule="1f1b"
         ),
-    ).plan
+    )
+    plan = make_plan(request).plan
     print("\n".join(plan.text().splitlines()[:4]))
     times = run_two(worker, plan.to_json(), args.steps)
     ratio = times["autopar"] / times["hand"]

@@ -1,4 +1,4 @@
-"""Predicted vs published for the measured runs in cost_models/published.py.
+"""Predicted vs published for the measured runs in benchmarks/published.py.
 
     python benchmarks/published_runs.py
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from autopar.cost_models.published import RUNS, predict
+from published import RUNS, predict  # benchmarks/published.py
 
 
 def main() -> int:

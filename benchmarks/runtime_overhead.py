@@ -16,9 +16,8 @@ import sys
 import torch
 from timing import alternate, join, report, run_two  # benchmarks/timing.py
 
-from autopar import Cluster
-from autopar.costing import profile_fn
-from autopar.planner import Constraints, make_plan
+from autopar import Cluster, Constraints, PlanRequest
+from autopar.planner import ModelProfiles, make_plan
 from autopar.runtime import lm_loss, parallelize
 from autopar.zoo import GPT, GPTConfig
 
@@ -72,19 +71,21 @@ def main() -> int:
     args = parser.parse_args()
     with torch.device("meta"):
         meta = GPT(CFG)
-    prof = profile_fn(meta, dtype="fp32", seq=SEQ)
-    plans = {
-        f"zero{z}": make_plan(
-            "bench-gpt",
-            prof,
-            Cluster.preset("cpu"),
+    prof = ModelProfiles.of(meta, dtype="fp32", seq=SEQ)
+
+    def request(zero: int) -> PlanRequest:
+        fixed = Constraints(tp=1, pp=1, dp=2, zero=zero, micro_batch=BATCH // 2, recompute=("none",))
+        return PlanRequest(
+            model=meta,
+            name="bench-gpt",
+            cluster=Cluster.preset("cpu"),
             global_batch=BATCH,
             seq=SEQ,
             dtype="fp32",
-            constraints=Constraints(tp=1, pp=1, dp=2, zero=z, micro_batch=BATCH // 2, recompute=("none",)),
-        ).plan.to_json()
-        for z in (0, 3)
-    }
+            constraints=fixed,
+        )
+
+    plans = {f"zero{z}": make_plan(request(z), prof).plan.to_json() for z in (0, 3)}
     times = run_two(worker, plans, args.steps)
     ok = True
     for mine, hand in (("autopar ZeRO-0", "hand DDP"), ("autopar ZeRO-3", "hand FSDP2")):

@@ -20,11 +20,10 @@ import sys
 import torch
 from timing import alternate, join, report, run_two  # benchmarks/timing.py
 
-from autopar import Cluster
-from autopar.costing import profile_fn
-from autopar.passes.tp_rules import SHARDING
-from autopar.planner import Constraints, make_plan
+from autopar import Cluster, Constraints, PlanRequest
+from autopar.planner import make_plan
 from autopar.runtime import lm_loss, parallelize
+from autopar.strategy import SHARDING
 from autopar.zoo.llama import Llama, LlamaConfig
 
 CFG = LlamaConfig(n_layer=4, dim=512, n_head=8, n_kv_head=4, ffn_dim=1024, vocab_size=1024, max_seq_len=128)
@@ -84,17 +83,18 @@ def main() -> int:
     args = parser.parse_args()
     with torch.device("meta"):
         meta = Llama(CFG)
-    plan = make_plan(
-        "bench-llama",
-        profile_fn(meta, dtype="fp32", seq=SEQ),
-        Cluster.preset("cpu"),
+    request = PlanRequest(
+        model=meta,
+        name="bench-llama",
+        cluster=Cluster.preset("cpu"),
         global_batch=BATCH,
         seq=SEQ,
         dtype="fp32",
         constraints=Constraints(
             tp=2, pp=1, dp=1, zero=0, micro_batch=BATCH, recompute=("none",), sequence_parallel=False
         ),
-    ).plan
+    )
+    plan = make_plan(request).plan
     print("\n".join(x for x in plan.text().splitlines() if x.startswith("tensor parallel")))
     ends = {t: {k.split(":")[0]: n for k, n, _ in ops if n in SHARDING} for t, ops in plan.tensor_parallel}
     decided = ends["TransformerBlock"]

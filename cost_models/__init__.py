@@ -1,6 +1,5 @@
-"""Cost models, installed as ``autopar.cost_models``: pure functions, units in names.
-
-``closed_forms`` holds the published formulas (model size, FLOPs, activation
-memory) that captured numbers are checked against. Compute, memory and
-communication models land here with the cost-model issue.
+"""Every price, installed as ``autopar.cost_models``: pure functions from a captured model's
+annotations, a cluster and a candidate decision to seconds and bytes (units in the names,
+formula and source in each docstring). The planner, ``autopar estimate`` and every benchmark
+price through them.
 """

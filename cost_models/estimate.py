@@ -24,8 +24,16 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.cost_models import comm
 from autopar.cost_models.profile import ModelProfile
-from autopar.cost_models.strategy import Strategy, check_strategy
-from autopar.cost_models.terms import TPLayout, build_terms, dp_exposed_s, rank_load, rank_memory_terms
+from autopar.cost_models.terms import (
+    RankLoad,
+    Terms,
+    TPLayout,
+    build_terms,
+    dp_exposed_s,
+    rank_load,
+    rank_memory_terms,
+)
+from autopar.strategy import Strategy, check_strategy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,48 +126,19 @@ def estimate(
 ) -> Estimate:
     """Price ``strategy`` for ``profile`` on ``cluster`` (see module doc for the model)."""
     st = strategy
-    check_strategy(st, world_size=cluster.world_size, blocks=profile.blocks, heads=profile.heads)
-    if st.seq != profile.seq or st.micro_batch != profile.micro_batch:
-        raise ValueError(
-            f"profile captured at micro-batch {profile.micro_batch}, seq {profile.seq}; "
-            f"strategy has {st.micro_batch}, {st.seq}"
-        )
+    _check_inputs(profile, cluster, st)
     terms = build_terms(profile, cluster, st, reserve_bytes=reserve_bytes, tp_layout=tp_layout)
-    notes: list[str] = []
-    if terms.tp_crosses_nodes:
-        notes.append(f"tp={st.tp} spans nodes: its collectives use the inter-node network")
-    if terms.dp_crosses_nodes:
-        per_gpu = cluster.inter_node.bandwidth_bytes_per_s / cluster.gpus_per_node
-        notes.append(f"dp={st.dp} spans nodes ({per_gpu / 1e9:.0f} GB/s per GPU)")
+    notes = _topology_notes(terms, cluster, st)
     notes.extend(measurement_notes(profile, cluster, st))
 
     counts = st.blocks_per_rank(profile.blocks)
     loads = [rank_load(terms, k, c) for k, c in enumerate(counts)]
-    m, p, v = st.micro_batches, st.pp, st.virtual_stages
-    slow = max(range(p), key=lambda k: loads[k].time_s)
-    r = loads[slow]
-    t_mb = r.time_s + terms.p2p_s
-    breakdown = {
-        "compute": m * r.compute_s,
-        "recompute": m * r.recompute_s,
-        "tp_comm": m * r.tp_s,
-        "p2p": m * terms.p2p_s,
-        "bubble": (p - 1) / v * t_mb,
-        "dp_comm": max(dp_exposed_s(terms, load) for load in loads),
-        "optimizer": max(load.params * terms.opt_s_per_param for load in loads),
-    }
+    breakdown = _breakdown(terms, st, loads)
     step = sum(breakdown.values())
     mem = tuple(StageMemory(stage=k, **rank_memory_terms(terms, k, load)) for k, load in enumerate(loads))
 
     tokens = st.global_batch * st.seq
-    sequences_per_micro_batch = profile.micro_batch
-    model_flops = profile.step_model_flops_per_sequence * st.global_batch
-    recompute_flops = sum(
-        n * terms.block[r_].recompute_flops
-        for c in counts
-        for r_, n in zip(("none", "selective", "full"), c, strict=True)
-    )
-    hardware_flops = model_flops + recompute_flops * st.global_batch / sequences_per_micro_batch
+    model_flops, hardware_flops = _step_flops(profile, terms, st, counts)
     world = st.world_size
     peak = cluster.device.peak_flops.get(st.dtype, cluster.device.peak_flops["bf16"])
     tflops = model_flops / step / world / 1e12
@@ -178,6 +157,60 @@ def estimate(
         stage_layers=tuple(tuple(names) for names in stage_layer_names(profile, st)),
         notes=tuple(notes),
     )
+
+
+def _check_inputs(profile: ModelProfile, cluster: Cluster, st: Strategy) -> None:
+    """Raise if ``st`` is invalid on ``cluster`` or ``profile`` was captured at another shape."""
+    check_strategy(st, world_size=cluster.world_size, blocks=profile.blocks, heads=profile.heads)
+    if st.seq != profile.seq or st.micro_batch != profile.micro_batch:
+        raise ValueError(
+            f"profile captured at micro-batch {profile.micro_batch}, seq {profile.seq}; "
+            f"strategy has {st.micro_batch}, {st.seq}"
+        )
+
+
+def _topology_notes(terms: Terms, cluster: Cluster, st: Strategy) -> list[str]:
+    """Notes on TP or DP groups that span nodes."""
+    notes: list[str] = []
+    if terms.tp_crosses_nodes:
+        notes.append(f"tp={st.tp} spans nodes: its collectives use the inter-node network")
+    if terms.dp_crosses_nodes:
+        per_gpu = cluster.inter_node.bandwidth_bytes_per_s / cluster.gpus_per_node
+        notes.append(f"dp={st.dp} spans nodes ({per_gpu / 1e9:.0f} GB/s per GPU)")
+    return notes
+
+
+def _breakdown(terms: Terms, st: Strategy, loads: list[RankLoad]) -> dict[str, float]:
+    """Step time by term: the slowest rank's m micro-batches, the bubble (p − 1)/v of a
+    micro-batch, and the worst rank's exposed DP/ZeRO communication and optimizer step."""
+    m, p, v = st.micro_batches, st.pp, st.virtual_stages
+    slow = max(range(p), key=lambda k: loads[k].time_s)
+    r = loads[slow]
+    t_mb = r.time_s + terms.p2p_s
+    return {
+        "compute": m * r.compute_s,
+        "recompute": m * r.recompute_s,
+        "tp_comm": m * r.tp_s,
+        "p2p": m * terms.p2p_s,
+        "bubble": (p - 1) / v * t_mb,
+        "dp_comm": max(dp_exposed_s(terms, load) for load in loads),
+        "optimizer": max(load.params * terms.opt_s_per_param for load in loads),
+    }
+
+
+def _step_flops(
+    profile: ModelProfile, terms: Terms, st: Strategy, counts: list[tuple[int, int, int]]
+) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs: model + recomputed) of one step."""
+    sequences_per_micro_batch = profile.micro_batch
+    model_flops = profile.step_model_flops_per_sequence * st.global_batch
+    recompute_flops = sum(
+        n * terms.block[r_].recompute_flops
+        for c in counts
+        for r_, n in zip(("none", "selective", "full"), c, strict=True)
+    )
+    hardware_flops = model_flops + recompute_flops * st.global_batch / sequences_per_micro_batch
+    return model_flops, hardware_flops
 
 
 def measurement_notes(profile: ModelProfile, cluster: Cluster, st: Strategy) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.cluster import Cluster
+from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models import comm
 from autopar.cost_models.compute import layer_forward_s
 from autopar.cost_models.memory import (
@@ -22,8 +22,9 @@ from autopar.cost_models.memory import (
     layer_activation_bytes,
 )
 from autopar.cost_models.profile import LayerCost, ModelProfile
-from autopar.cost_models.strategy import RECOMPUTE, Strategy
 from autopar.errors import AutoparError
+from autopar.measurements import ComputeProfile
+from autopar.strategy import RECOMPUTE, Strategy
 
 ADAM_BYTES_PER_PARAM = 30
 """Adam step traffic: read fp32 master, m, v, grad (16 B); write master, m, v, 16-bit weight (14 B)."""
@@ -155,7 +156,7 @@ def layer_units(
     all-reduces and backward's (an all-gather + reduce-scatter each under sequence
     parallelism). Full recompute repeats the forward's. Parameters per GPU: the layout's, else
     the layer's ÷ t."""
-    device, t, sp = cluster.device, st.tp, st.sequence_parallel
+    device, t = cluster.device, st.tp
     rate = device.achievable_flops(st.dtype)
     tp_link = comm.group_link(cluster, size=t, stride=1)
     block_types = set(profile.layers[1:-1])
@@ -164,73 +165,104 @@ def layer_units(
             f"the cost model and planner handle one repeated block type; this model has {sorted(block_types)}"
         )
     (block_type,) = block_types
+    ctx = _UnitContext(
+        profile=profile,
+        device=device,
+        st=st,
+        rate=rate,
+        tp_link=tp_link,
+        measured=cluster.compute_profile,
+        tp_layout=tp_layout,
+    )
+    blocks = {r: _unit(ctx, block_type, r) for r in RECOMPUTE}
+    return blocks, _unit(ctx, "embed", "none"), _unit(ctx, "head", "none")
 
-    measured = cluster.compute_profile
 
-    def collective_s(name: str, size: float, k: int = 1) -> float:
-        a, b = comm.coefficients(name, t, tp_link)
-        return k * (a + b * size)
+@dataclass(frozen=True, kw_only=True)
+class _UnitContext:
+    """What every unit of ``layer_units`` is priced with."""
 
-    def tp_phases_s(name: str, lc: LayerCost, chosen: TPLayer | None) -> tuple[float, float]:
-        """Forward and backward tensor-parallel communication of one layer per micro-batch.
+    profile: ModelProfile
+    device: DeviceSpec
+    st: Strategy
+    rate: float
+    """Achievable FLOP/s of the device at the strategy's dtype."""
+    tp_link: comm.GroupLink
+    """The link the TP group's collectives run over."""
+    measured: ComputeProfile | None
+    """The cluster's measured compute profile, if any."""
+    tp_layout: TPLayout | None
 
-        With the per-operator choice: the collectives it issues. Else Megatron's pattern. A
-        block: one collective per row-parallel output in forward and its conjugate in backward
-        (all-reduces; an all-gather + reduce-scatter each under SP). The vocabulary-parallel
-        embedding all-reduces its partial output (reduce-scatters under SP). The head's input
-        gradient is all-reduced in backward (under SP its input is all-gathered and the gradient
-        reduce-scattered), and the vocabulary-parallel cross-entropy all-reduces three values
-        per row (max, sum of exp, target logit)."""
-        if t == 1:
-            return 0.0, 0.0
-        if chosen is not None:
-            phase = {"forward": 0.0, "backward": 0.0}
-            for kind, when, per_sequence in chosen.collectives:
-                phase[when] += collective_s(kind, per_sequence * st.micro_batch)
-            return phase["forward"], phase["backward"]
-        out = st.micro_batch * st.seq * profile.hidden * profile.act_bytes
-        if name == "embed":
-            return collective_s("reduce_scatter" if sp else "all_reduce", out), 0.0
-        if name == "head":
-            loss = collective_s("all_reduce", st.micro_batch * st.seq * 4, 3)
-            if sp:
-                return collective_s("all_gather", out) + loss, collective_s("reduce_scatter", out)
-            return loss, collective_s("all_reduce", out)
-        kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
-        one = sum(
-            lc.tp_reduce_count * a + b * lc.tp_reduce_bytes
-            for a, b in (comm.coefficients(k, t, tp_link) for k in kinds)
-        )
-        return one, one
 
-    def unit(name: str, recompute: str) -> Unit:
-        lc = profile.layer_types[name]
-        got = (
-            measured.timing(name, micro_batch=st.micro_batch, seq=st.seq, tp=t, sp=sp, dtype=st.dtype)
-            if measured
-            else None
-        )
-        fwd = got.forward_s if got else layer_forward_s(lc, device, st.dtype, tp=t, sp=sp)
-        chosen = tp_layout.get(name) if tp_layout and t > 1 else None
-        tp_fwd, tp_bwd = tp_phases_s(name, lc, chosen)
-        rc_flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}
-        full_act = layer_activation_bytes(lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes)
-        return Unit(
-            fwd_s=fwd,
-            bwd_compute_s=got.backward_s if got else 2 * fwd,
-            recompute_s=fwd if recompute == "full" else rc_flops[recompute] / t / rate,
-            tp_s=tp_fwd * (2 if recompute == "full" else 1) + tp_bwd,
-            act_bytes=layer_activation_bytes(
-                lc, tp=t, sp=sp, recompute=recompute, input_bytes=profile.input_bytes
-            ),
-            act_full_bytes=full_act,
-            params=chosen.local_params if chosen is not None else lc.params / t,
-            fwd_flops=float(lc.fwd_flops),
-            recompute_flops=rc_flops[recompute],
-        )
+def _collective_s(ctx: _UnitContext, name: str, size: float, k: int = 1) -> float:
+    """Time of ``k`` TP collectives ``name`` of ``size`` bytes each (α + β·size)."""
+    a, b = comm.coefficients(name, ctx.st.tp, ctx.tp_link)
+    return k * (a + b * size)
 
-    blocks = {r: unit(block_type, r) for r in RECOMPUTE}
-    return blocks, unit("embed", "none"), unit("head", "none")
+
+def _tp_phases_s(ctx: _UnitContext, name: str, lc: LayerCost, chosen: TPLayer | None) -> tuple[float, float]:
+    """Forward and backward tensor-parallel communication of one layer per micro-batch.
+
+    With the per-operator choice: the collectives it issues. Else Megatron's pattern. A
+    block: one collective per row-parallel output in forward and its conjugate in backward
+    (all-reduces; an all-gather + reduce-scatter each under SP). The vocabulary-parallel
+    embedding all-reduces its partial output (reduce-scatters under SP). The head's input
+    gradient is all-reduced in backward (under SP its input is all-gathered and the gradient
+    reduce-scattered), and the vocabulary-parallel cross-entropy all-reduces three values
+    per row (max, sum of exp, target logit)."""
+    st, profile = ctx.st, ctx.profile
+    t, sp = st.tp, st.sequence_parallel
+    if t == 1:
+        return 0.0, 0.0
+    if chosen is not None:
+        phase = {"forward": 0.0, "backward": 0.0}
+        for kind, when, per_sequence in chosen.collectives:
+            phase[when] += _collective_s(ctx, kind, per_sequence * st.micro_batch)
+        return phase["forward"], phase["backward"]
+    out = st.micro_batch * st.seq * profile.hidden * profile.act_bytes
+    if name == "embed":
+        return _collective_s(ctx, "reduce_scatter" if sp else "all_reduce", out), 0.0
+    if name == "head":
+        loss = _collective_s(ctx, "all_reduce", st.micro_batch * st.seq * 4, 3)
+        if sp:
+            return _collective_s(ctx, "all_gather", out) + loss, _collective_s(ctx, "reduce_scatter", out)
+        return loss, _collective_s(ctx, "all_reduce", out)
+    kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+    one = sum(
+        lc.tp_reduce_count * a + b * lc.tp_reduce_bytes
+        for a, b in (comm.coefficients(k, t, ctx.tp_link) for k in kinds)
+    )
+    return one, one
+
+
+def _unit(ctx: _UnitContext, name: str, recompute: str) -> Unit:
+    """The unit of layer type ``name`` under recompute choice ``recompute``."""
+    profile, st, measured, tp_layout = ctx.profile, ctx.st, ctx.measured, ctx.tp_layout
+    t, sp = st.tp, st.sequence_parallel
+    lc = profile.layer_types[name]
+    got = (
+        measured.timing(name, micro_batch=st.micro_batch, seq=st.seq, tp=t, sp=sp, dtype=st.dtype)
+        if measured
+        else None
+    )
+    fwd = got.forward_s if got else layer_forward_s(lc, ctx.device, st.dtype, tp=t, sp=sp)
+    chosen = tp_layout.get(name) if tp_layout and t > 1 else None
+    tp_fwd, tp_bwd = _tp_phases_s(ctx, name, lc, chosen)
+    rc_flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}
+    full_act = layer_activation_bytes(lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes)
+    return Unit(
+        fwd_s=fwd,
+        bwd_compute_s=got.backward_s if got else 2 * fwd,
+        recompute_s=fwd if recompute == "full" else rc_flops[recompute] / t / ctx.rate,
+        tp_s=tp_fwd * (2 if recompute == "full" else 1) + tp_bwd,
+        act_bytes=layer_activation_bytes(
+            lc, tp=t, sp=sp, recompute=recompute, input_bytes=profile.input_bytes
+        ),
+        act_full_bytes=full_act,
+        params=chosen.local_params if chosen is not None else lc.params / t,
+        fwd_flops=float(lc.fwd_flops),
+        recompute_flops=rc_flops[recompute],
+    )
 
 
 def build_terms(
@@ -254,24 +286,9 @@ def build_terms(
     lat, s_per_byte = comm.coefficients("all_gather", st.dp, dp_link)
     rs_lat, rs_s_per_byte = comm.coefficients("reduce_scatter", st.dp, dp_link)
     ar_lat, ar_s_per_byte = comm.coefficients("all_reduce", st.dp, dp_link)
-    w, g, k = STATE_BYTES[st.dtype]
+    w = STATE_BYTES[st.dtype][0]
     shard = st.dp
-    state = (
-        w / (shard if st.zero >= 3 else 1)
-        + g / (shard if st.zero >= 2 else 1)
-        + k / (shard if st.zero >= 1 else 1)
-    )
-    total_params = profile.blocks * blocks["none"].params + embed.params + head.params
-    grads_per_rank = total_params / p * GRAD_REDUCE_BYTES[st.dtype]
-    base_buffers = 2 * DDP_BUCKET_BYTES * (st.dp > 1) + 2 * p2p_bytes * t * (t > 1)
-    buffers = []
-    for rank in range(p):
-        biggest = max(
-            blocks["none"].params,
-            embed.params if rank == 0 else 0.0,
-            head.params if rank == p - 1 else 0.0,
-        )
-        buffers.append(base_buffers + (2 * biggest * w if st.zero == 3 else 0.0))
+    layers = (blocks["none"], embed, head)
     return Terms(
         strategy=st,
         block=blocks,
@@ -282,7 +299,7 @@ def build_terms(
         inflight=tuple(
             inflight_stage_copies(st.schedule, stage=r, pp=p, micro_batches=m, virtual=v) for r in range(p)
         ),
-        state_bytes_per_param=state,
+        state_bytes_per_param=_state_bytes_per_param(st),
         weight_bytes=w,
         grad_bytes=GRAD_REDUCE_BYTES[st.dtype],
         lat_s=lat,
@@ -292,18 +309,62 @@ def build_terms(
         ar_lat_s=ar_lat,
         ar_s_per_byte=ar_s_per_byte,
         overlap=cluster.comm_profile.overlap if cluster.comm_profile is not None else 1.0,
-        last_bucket_s=ar_lat + ar_s_per_byte * min(DDP_BUCKET_BYTES, grads_per_rank) if st.dp > 1 else 0.0,
+        last_bucket_s=_last_bucket_s(profile, st, layers, ar_lat, ar_s_per_byte),
         opt_s_per_param=optimizer_s_per_param(cluster, st) / (shard if st.zero >= 1 else 1),
         loss_bytes=st.micro_batch * st.seq * profile.vocab / t * 8,
-        buffers=tuple(buffers),
-        reserve_bytes=(
-            reserve_bytes
-            if reserve_bytes is not None
-            else CUDA_CONTEXT_BYTES + FRAGMENTATION * device.memory_bytes
-        ),
+        buffers=_comm_buffers(st, layers, p2p_bytes),
+        reserve_bytes=reserve_bytes if reserve_bytes is not None else _default_reserve_bytes(device),
         dp_crosses_nodes=dp_link.crosses_nodes and st.dp > 1,
         tp_crosses_nodes=tp_link.crosses_nodes,
     )
+
+
+def _state_bytes_per_param(st: Strategy) -> float:
+    """Weights + gradients + optimizer bytes per parameter on a GPU after ZeRO sharding."""
+    w, g, k = STATE_BYTES[st.dtype]
+    shard = st.dp
+    return (
+        w / (shard if st.zero >= 3 else 1)
+        + g / (shard if st.zero >= 2 else 1)
+        + k / (shard if st.zero >= 1 else 1)
+    )
+
+
+def _last_bucket_s(
+    profile: ModelProfile, st: Strategy, layers: tuple[Unit, Unit, Unit], ar_lat: float, ar_s_per_byte: float
+) -> float:
+    """The all-reduce of DDP's last gradient bucket, min(25 MiB, the rank's gradients) (0 at dp 1).
+
+    ``layers``: a block's (no recompute), the embedding's and the head's units."""
+    block, embed, head = layers
+    total_params = profile.blocks * block.params + embed.params + head.params
+    grads_per_rank = total_params / st.pp * GRAD_REDUCE_BYTES[st.dtype]
+    return ar_lat + ar_s_per_byte * min(DDP_BUCKET_BYTES, grads_per_rank) if st.dp > 1 else 0.0
+
+
+def _default_reserve_bytes(device: DeviceSpec) -> float:
+    """Memory kept back per GPU by default: the CUDA context plus a share for fragmentation."""
+    return CUDA_CONTEXT_BYTES + FRAGMENTATION * device.memory_bytes
+
+
+def _comm_buffers(st: Strategy, layers: tuple[Unit, Unit, Unit], p2p_bytes: float) -> tuple[float, ...]:
+    """Communication buffers of each pipeline rank: two DDP buckets, two pipeline send/receive
+    buffers, and under ZeRO-3 two gathered copies of the rank's biggest layer.
+
+    ``layers``: a block's (no recompute), the embedding's and the head's units."""
+    block, embed, head = layers
+    t, p = st.tp, st.pp
+    w = STATE_BYTES[st.dtype][0]
+    base_buffers = 2 * DDP_BUCKET_BYTES * (st.dp > 1) + 2 * p2p_bytes * t * (t > 1)
+    buffers = []
+    for rank in range(p):
+        biggest = max(
+            block.params,
+            embed.params if rank == 0 else 0.0,
+            head.params if rank == p - 1 else 0.0,
+        )
+        buffers.append(base_buffers + (2 * biggest * w if st.zero == 3 else 0.0))
+    return tuple(buffers)
 
 
 def optimizer_s_per_param(cluster: Cluster, st: Strategy) -> float:

@@ -1,7 +1,5 @@
-"""Graph-rewriting passes, installed as ``autopar.passes``.
-
-Each pass is a function ``pass(gm_or_module, plan, ...) -> rewritten`` that
-consumes a ``Plan`` and never calls the planner. One pass family per file.
-The tensor-parallel, pipeline-split and recompute passes land here with the
-issues that need them; capture-time analysis lives in ``autopar.graph``.
+"""Graph rewrites by a Plan, installed as ``autopar.passes``: the tensor-parallel rewrite and
+its sharding rules, the pipeline split and block outlining, recomputation. A pass takes a
+captured graph (or module) and the Plan and returns what it rewrote; it never calls the planner.
+One pass family per file.
 """

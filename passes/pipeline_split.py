@@ -30,6 +30,7 @@ import torch
 from torch import fx, nn
 
 from autopar.errors import AutoparError
+from autopar.graph.dag import digraph, downstream, upstream
 from autopar.graph.trace import graph_module
 
 EDGE_LAYERS = ("embed", "head")
@@ -64,11 +65,7 @@ def stage_chunks(layer_names: Sequence[str], ranks: Sequence[Sequence[str]], vir
 
 def _depends_on_input(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes whose value depends on a graph input (the others can be recomputed anywhere)."""
-    dep: set[fx.Node] = set()
-    for n in gm.graph.nodes:
-        if n.op == "placeholder" or any(i in dep for i in n.all_input_nodes):
-            dep.add(n)
-    return dep
+    return downstream(digraph(gm.graph), (n for n in gm.graph.nodes if n.op == "placeholder"))
 
 
 def _attr(root: nn.Module, target: str) -> Any:
@@ -301,15 +298,8 @@ def outline_blocks(stage: fx.GraphModule, names: Sequence[str]) -> fx.GraphModul
 def convex_hull(graph: fx.Graph, members: set[fx.Node]) -> set[fx.Node]:
     """``members`` plus every node both downstream and upstream of them (what must move with
     them for the group to be convex)."""
-    down: set[fx.Node] = set()
-    for n in graph.nodes:
-        if any(i in members or i in down for i in n.all_input_nodes):
-            down.add(n)
-    up: set[fx.Node] = set()
-    for n in reversed(list(graph.nodes)):
-        if any(u in members or u in up for u in n.users):
-            up.add(n)
-    return members | (down & up)
+    g = digraph(graph)
+    return members | (downstream(g, members) & upstream(g, members))
 
 
 def is_attention(child: str) -> bool:

@@ -11,26 +11,38 @@ shard on local tensors:
 - shape constants on a sharded dim (``view(B, T, heads, head_dim)``, ``split(C)``) are
   divided by t, so model code that hard-codes the head count runs unchanged;
 - placement changes between operators become collectives with Megatron's conjugate
-  backward (``tp_copy``: identity forward, all-reduce backward; ``tp_reduce``: all-reduce
-  forward, identity backward; ``tp_gather``/``tp_slice``), built on
-  ``torch.distributed._functional_collectives``;
+  backward (``passes.tp_collectives``);
 - a row-parallel linear drops its bias, all-reduces its partial output, then adds the bias once.
 
-The pass never calls the planner: strategies come from ``autopar.tp_choice``.
+``tensor_parallel_for_plan(captured, plan, mesh)`` first resolves the Plan's per-operator table
+(op keys per layer type) to this graph's nodes. The pass never calls the planner.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from autopar.errors import AutoparError
+from autopar.graph import CapturedModel
+from autopar.passes.tp_collectives import (
+    OURS,
+    tp_chunks,
+    tp_copy,
+    tp_gather,
+    tp_reduce,
+    tp_reduce_scatter,
+    tp_slice,
+    vocab_embedding,
+)
+from autopar.passes.tp_graph import layer_nodes, op_keys
 from autopar.passes.tp_rules import (
     RESHAPES,
     RF,
@@ -40,147 +52,23 @@ from autopar.passes.tp_rules import (
     fused_chunks,
     linear_parts,
     partial_grad_params,
+    propagate,
     shard_dim,
+    strategies,
     tensor_args,
     vocab_parallel_output,
 )
+from autopar.plan import Plan
+from autopar.strategy import SHARDING
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-
-# ---- collectives with Megatron's conjugate backward ------------------------------------------
-
-
-def _wait(x: torch.Tensor) -> torch.Tensor:
-    return funcol.wait_tensor(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
-
-
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _wait(funcol.all_reduce(g.contiguous(), "sum", ctx.group)), None
-
-
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
-        return _wait(funcol.all_reduce(x.contiguous(), "sum", group))
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return g, None
-
-
-class _Gather(torch.autograd.Function):
-    """All-gather along ``dim``; backward takes this rank's slice, reduce-scattering first when the
-    gradient is a partial sum (the gathered tensor feeds column-parallel weights)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: str, rank: int, size: int, partial: bool) -> Any:
-        ctx.args = dim, group, rank, size, partial
-        return _wait(funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group))
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        dim, group, rank, size, partial = ctx.args
-        if partial:
-            out = _wait(funcol.reduce_scatter_tensor(g.contiguous(), "sum", scatter_dim=dim, group=group))
-        else:
-            out = g.chunk(size, dim=dim)[rank].contiguous()
-        return out, None, None, None, None, None
-
-
-class _Slice(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: str, rank: int, size: int) -> torch.Tensor:
-        ctx.args = dim, group
-        return x.chunk(size, dim=dim)[rank].contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        dim, group = ctx.args
-        return (
-            _wait(funcol.all_gather_tensor(g.contiguous(), gather_dim=dim, group=group)),
-            None,
-            None,
-            None,
-            None,
-        )
-
-
-class _Chunks(torch.autograd.Function):
-    """This rank's slice of each of k chunks of a replicated vector (a fused bias); backward
-    all-gathers the slices' gradients so every rank holds the whole, identical gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, k: int, group: str, rank: int, size: int) -> torch.Tensor:
-        ctx.args = k, group, size
-        return x.view(k, size, -1)[:, rank].reshape(-1)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        k, group, _size = ctx.args
-        parts = _wait(funcol.all_gather_tensor(g.contiguous().view(1, k, -1), gather_dim=0, group=group))
-        return parts.transpose(0, 1).reshape(-1), None, None, None, None  # (size, k, m) → (k, size, m)
-
-
-def tp_chunks(x: torch.Tensor, k: int, group: str, rank: int, size: int) -> torch.Tensor:
-    """Slices r of each of k chunks of a replicated vector; gradients all-gathered."""
-    return _Chunks.apply(x, k, group, rank, size)  # type: ignore[no-any-return]
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-        ctx.args = dim, group
-        return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", scatter_dim=dim, group=group))
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        dim, group = ctx.args
-        return _wait(funcol.all_gather_tensor(g.contiguous(), gather_dim=dim, group=group)), None, None
-
-
-def tp_reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    """Sequence-parallel g: reduce-scatter partial sums along ``dim`` forward, all-gather backward."""
-    return _ReduceScatter.apply(x, dim, group)  # type: ignore[no-any-return]
-
-
-def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Look up ``ids`` in this rank's rows [lo, hi) of the embedding; other ids give zeros (the
-    partial sums all ranks then add up: Megatron's vocabulary-parallel embedding)."""
-    outside = (ids < lo) | (ids >= hi)
-    rows = torch.ops.aten.embedding.default(weight, (ids - lo).masked_fill(outside, 0))
-    return rows.masked_fill(outside.unsqueeze(-1), 0.0)
-
-
-def tp_copy(x: torch.Tensor, group: str) -> torch.Tensor:
-    """Megatron f: identity forward, all-reduce of the gradient."""
-    return _Copy.apply(x, group)  # type: ignore[no-any-return]
-
-
-def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    """Megatron g: all-reduce forward, identity backward."""
-    return _Reduce.apply(x, group)  # type: ignore[no-any-return]
-
-
-def tp_gather(x: torch.Tensor, dim: int, group: str, rank: int, size: int, partial: bool) -> torch.Tensor:
-    """All-gather forward; slice (or reduce-scatter a partial gradient) backward."""
-    return _Gather.apply(x, dim, group, rank, size, partial)  # type: ignore[no-any-return]
-
-
-def tp_slice(x: torch.Tensor, dim: int, group: str, rank: int, size: int) -> torch.Tensor:
-    """Keep this rank's slice forward; all-gather backward."""
-    return _Slice.apply(x, dim, group, rank, size)  # type: ignore[no-any-return]
-
-
-# ---- the pass ------------------------------------------------------------------------------
+PARTIAL_GRAD = "R+partial-grad"
+"""Placement reported for a replicated parameter applied to token shards (norm weights, a
+row-parallel bias under sequence parallelism): each rank's gradient is a partial sum, which
+the runtime all-reduces over the TP group once per step, in one bucket, before the optimizer
+(as Megatron-LM does for layer-norm gradients under sequence parallelism)."""
 
 
 def _dtensor_placement(spec: str, split_factor: int) -> Placement:
@@ -214,162 +102,6 @@ def _divide(shape: Any, dim: int, t: int) -> list[Any]:
     return out
 
 
-PARTIAL_GRAD = "R+partial-grad"
-"""Placement reported for a replicated parameter applied to token shards (norm weights, a
-row-parallel bias under sequence parallelism): each rank's gradient is a partial sum, which
-the runtime all-reduces over the TP group once per step, in one bucket, before the optimizer
-(as Megatron-LM does for layer-norm gradients under sequence parallelism)."""
-
-
-def tensor_parallel(
-    gm: fx.GraphModule, chosen: dict[str, OpStrategy], mesh: DeviceMesh
-) -> tuple[fx.GraphModule, dict[str, str]]:
-    """Rewrite ``gm`` in place for the TP mesh ``mesh`` (1-D); returns it and {param: placement}
-    (``PARTIAL_GRAD`` for parameters whose gradients the runtime must all-reduce each step)."""
-    t = mesh.size()
-    rank = mesh.get_local_rank()
-    group = mesh.get_group().group_name
-    graph = gm.graph
-    placements: dict[str, str] = {}
-    out_of = {name: s.out for name, s in chosen.items()}
-    converted: dict[tuple[str, str], fx.Node] = {}
-    partial_grads: set[str] = set()  # replicated parameters applied to token shards
-
-    def convert(consumer: fx.Node, src: fx.Node, need: str) -> None:
-        """Feed ``consumer`` the tensor ``src`` in placement ``need``: one conversion per (tensor,
-        placement), shared by its consumers (for Megatron's f the consumers' partial gradients add
-        up before the single all-reduce)."""
-        conv = _conversion(out_of.get(src.name, R), need, group, rank, t)
-        if conv is None:
-            return
-        new = converted.get((src.name, need))
-        if new is None:
-            fn, extra = conv
-            with graph.inserting_after(src):
-                new = graph.call_function(fn, (src, *extra))
-            new.meta.update({k: src.meta[k] for k in ("val", "autopar.shape") if k in src.meta})
-            converted[src.name, need] = new
-        consumer.replace_input_with(src, new)
-
-    def reduce_partials(node: fx.Node, s: OpStrategy, bias: fx.Node | None) -> None:
-        """After ``node`` (partial sums): all-reduce, or reduce-scatter over the sequence, then add
-        ``bias`` once; the result replaces ``node`` for its users."""
-        scatter = shard_dim(s.out)
-        with graph.inserting_after(node):
-            if scatter is None:
-                red = graph.call_function(tp_reduce, (node, group))
-            else:  # sequence parallelism: each rank keeps its slice of the sequence
-                red = graph.call_function(tp_reduce_scatter, (node, scatter, group))
-        out = red
-        if bias is not None:
-            with graph.inserting_after(red):
-                out = graph.call_function(aten.add.Tensor, (red, bias))
-        for new in {red, out}:  # same global shape as the operator's output
-            new.meta.update({k: node.meta[k] for k in ("val", "autopar.shape") if k in node.meta})
-            out_of[new.name] = s.out
-        node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not red)
-
-    def local_param(node: fx.Node, where: fx.Node, spec: str, split_factor: int = 1) -> fx.Node:
-        fqn = str(node.target)
-        _set_param(gm, fqn, mesh, _dtensor_placement(spec, split_factor))
-        placements[fqn] = spec if split_factor == 1 else f"{spec}x{split_factor}"
-        with graph.inserting_before(where):
-            return graph.call_method("to_local", (node,))
-
-    for node in list(graph.nodes):
-        s = chosen.get(node.name)
-        if s is None:
-            continue
-        partial_grads.update(str(p.target) for p in partial_grad_params(node, s))  # before args change
-        # 1. the inputs: insert the placement change each input needs
-        for slot, src in enumerate(tensor_args(node)):
-            convert(node, src, s.inputs[slot] if slot < len(s.inputs) else R)
-        # 2. the parameters and shape constants
-        if s.name in ("column", "row"):
-            x, w, b, transposed = linear_parts(node)
-            assert isinstance(w, fx.Node)
-            factor = fused_chunks(node) if s.name == "column" else 1
-            lw = local_param(w, node, s.params["weight"], factor)
-            lb = None
-            if isinstance(b, fx.Node) and factor > 1:
-                # a fused bias stays replicated (FSDP2 can't shard a 1-D _StridedShard again);
-                # each rank reads its slice of every chunk
-                full = local_param(b, node, R)
-                with graph.inserting_before(node):
-                    lb = graph.call_function(tp_chunks, (full, factor, group, rank, t))
-            elif isinstance(b, fx.Node):
-                lb = local_param(b, node, s.params["bias"])
-            if s.name == "column":
-                node.args = (lb, x, lw) if transposed else (x, lw, lb)
-            else:  # row: partial sums → all-reduce → bias once
-                if transposed:
-                    node.target, node.args = aten.mm.default, (x, lw)
-                else:
-                    node.args = (x, lw, None)
-                reduce_partials(node, s, lb)
-        if s.name == "vocab":  # vocabulary-parallel lookup: rows outside this rank's range are 0
-            w, ids = node.args[0], node.args[1]
-            assert isinstance(w, fx.Node)
-            vocab = int(w.meta["val"].shape[0])
-            lw = local_param(w, node, "S0")
-            lo, hi = rank * vocab // t, (rank + 1) * vocab // t
-            node.target, node.args = vocab_embedding, (lw, ids, lo, hi)
-            reduce_partials(node, s, None)
-        d = shard_dim(s.out)
-        if d is not None and node.target in (*RESHAPES, aten.expand.default):
-            node.args = (node.args[0], _divide(node.args[1], d, t), *node.args[2:])
-        elif d is not None and node.target == aten.split.Tensor and cut_dim(node) == d:
-            node.args = (node.args[0], int(node.args[1]) // t, *node.args[2:])  # type: ignore[call-overload]
-        elif d is not None and node.target == aten.split_with_sizes.default and cut_dim(node) == d:
-            node.args = (node.args[0], [int(x) // t for x in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
-
-    def vocab_logits(x: torch.Tensor, dim: int) -> torch.Tensor:
-        """The model's logits, split over the vocabulary, as a DTensor for ``loss_parallel``."""
-        return DTensor.from_local(x, mesh, [Shard(dim)], run_check=False)
-
-    # operators outside the tensor-parallel layers (the head) take their inputs whole; logits
-    # split over the vocabulary leave as a DTensor (the loss is computed vocab-parallel)
-    for node in list(graph.nodes):
-        if (
-            node.op in ("call_function", "output")
-            and node.name not in chosen
-            and node.target not in _OURS
-            and (node.op == "output" or isinstance(node.meta.get("val"), torch.Tensor | list | tuple))
-        ):
-            for src in tensor_args(node):
-                if (
-                    node.op == "output"
-                    and src.name in chosen
-                    and vocab_parallel_output(src, out_of[src.name])
-                ):
-                    with graph.inserting_after(src):
-                        wrapped = graph.call_function(vocab_logits, (src, shard_dim(out_of[src.name])))
-                    node.replace_input_with(src, wrapped)
-                elif src.name in chosen:
-                    convert(node, src, R)
-    # 3. every parameter the graph still reads whole becomes a replicated DTensor read locally
-    for node in list(graph.nodes):
-        if node.op == "get_attr" and str(node.target) not in placements and is_param(gm, str(node.target)):
-            users = [u for u in node.users if not (u.op == "call_method" and u.target == "to_local")]
-            if users:
-                _set_param(gm, str(node.target), mesh, Replicate())
-                with graph.inserting_after(node):
-                    local = graph.call_method("to_local", (node,))
-                for u in users:
-                    u.replace_input_with(node, local)
-                placements[str(node.target)] = R
-    for fqn in partial_grads:
-        placements[fqn] = PARTIAL_GRAD
-    graph.lint()
-    gm.recompile()
-    sharded = {k: v for k, v in placements.items() if v not in (R, PARTIAL_GRAD)}
-    log.info("tensor parallel over %d ranks: %d parameters sharded: %s", t, len(sharded), sharded)
-    return gm, placements
-
-
-_OURS = (tp_copy, tp_reduce, tp_reduce_scatter, tp_gather, tp_slice, tp_chunks, vocab_embedding)
-
-
 def is_param(gm: fx.GraphModule, fqn: str) -> bool:
     """Whether ``gm.<fqn>`` is a parameter (not a buffer or a lifted constant)."""
     owner, _, attr = fqn.rpartition(".")
@@ -381,7 +113,8 @@ def is_param(gm: fx.GraphModule, fqn: str) -> bool:
 
 
 def _conversion(have: str, need: str, group: str, rank: int, t: int) -> tuple[Any, tuple[Any, ...]] | None:
-    """The function (and its extra args) turning placement ``have`` into ``need`` (table in tp_choice)."""
+    """The function (and its extra args) turning placement ``have`` into ``need`` (the table of
+    ``cost_models.tp``)."""
     if have == need or (have == R and need == R):
         return None
     hd, nd = shard_dim(have), shard_dim(need)
@@ -394,15 +127,256 @@ def _conversion(have: str, need: str, group: str, rank: int, t: int) -> tuple[An
     raise AssertionError(f"no conversion {have} → {need}: the chooser forbids it")
 
 
+def _copy_meta(dst: fx.Node, src: fx.Node) -> None:
+    """``dst`` has ``src``'s global shape and value metadata."""
+    dst.meta.update({k: src.meta[k] for k in ("val", "autopar.shape") if k in src.meta})
+
+
+class _Rewrite:
+    """One rewrite of ``gm`` for the 1-D TP mesh ``mesh`` under ``chosen`` (node name → strategy)."""
+
+    def __init__(self, gm: fx.GraphModule, chosen: dict[str, OpStrategy], mesh: DeviceMesh) -> None:
+        self.gm, self.graph, self.chosen, self.mesh = gm, gm.graph, chosen, mesh
+        self.t, self.rank, self.group = mesh.size(), mesh.get_local_rank(), mesh.get_group().group_name
+        self.placements: dict[str, str] = {}
+        self.out_of = {name: s.out for name, s in chosen.items()}
+        self.converted: dict[tuple[str, str], fx.Node] = {}
+        self.partial_grads: set[str] = set()  # replicated parameters applied to token shards
+
+    def convert(self, consumer: fx.Node, src: fx.Node, need: str) -> None:
+        """Feed ``consumer`` the tensor ``src`` in placement ``need``: one conversion per (tensor,
+        placement), shared by its consumers (for Megatron's f the consumers' partial gradients add
+        up before the single all-reduce)."""
+        conv = _conversion(self.out_of.get(src.name, R), need, self.group, self.rank, self.t)
+        if conv is None:
+            return
+        new = self.converted.get((src.name, need))
+        if new is None:
+            fn, extra = conv
+            with self.graph.inserting_after(src):
+                new = self.graph.call_function(fn, (src, *extra))
+            _copy_meta(new, src)
+            self.converted[src.name, need] = new
+        consumer.replace_input_with(src, new)
+
+    def reduce_partials(self, node: fx.Node, s: OpStrategy, bias: fx.Node | None) -> None:
+        """After ``node`` (partial sums): all-reduce, or reduce-scatter over the sequence, then add
+        ``bias`` once; the result replaces ``node`` for its users."""
+        scatter = shard_dim(s.out)
+        with self.graph.inserting_after(node):
+            if scatter is None:
+                red = self.graph.call_function(tp_reduce, (node, self.group))
+            else:  # sequence parallelism: each rank keeps its slice of the sequence
+                red = self.graph.call_function(tp_reduce_scatter, (node, scatter, self.group))
+        out = red
+        if bias is not None:
+            with self.graph.inserting_after(red):
+                out = self.graph.call_function(aten.add.Tensor, (red, bias))
+        for new in {red, out}:  # same global shape as the operator's output
+            _copy_meta(new, node)
+            self.out_of[new.name] = s.out
+        node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not red)
+
+    def local_param(self, node: fx.Node, where: fx.Node, spec: str, split_factor: int = 1) -> fx.Node:
+        """The parameter ``node`` reads, made a DTensor placed ``spec``, read locally before ``where``."""
+        fqn = str(node.target)
+        _set_param(self.gm, fqn, self.mesh, _dtensor_placement(spec, split_factor))
+        self.placements[fqn] = spec if split_factor == 1 else f"{spec}x{split_factor}"
+        with self.graph.inserting_before(where):
+            return self.graph.call_method("to_local", (node,))
+
+    def linear(self, node: fx.Node, s: OpStrategy) -> None:
+        """Column- or row-parallel linear: local weight (and bias) shards; a row-parallel output
+        is reduced before its bias is added once."""
+        x, w, b, transposed = linear_parts(node)
+        assert isinstance(w, fx.Node)
+        factor = fused_chunks(node) if s.name == "column" else 1
+        lw = self.local_param(w, node, s.params["weight"], factor)
+        lb = None
+        if isinstance(b, fx.Node) and factor > 1:
+            # a fused bias stays replicated (FSDP2 can't shard a 1-D _StridedShard again);
+            # each rank reads its slice of every chunk
+            full = self.local_param(b, node, R)
+            with self.graph.inserting_before(node):
+                lb = self.graph.call_function(tp_chunks, (full, factor, self.group, self.rank, self.t))
+        elif isinstance(b, fx.Node):
+            lb = self.local_param(b, node, s.params["bias"])
+        if s.name == "column":
+            node.args = (lb, x, lw) if transposed else (x, lw, lb)
+            return
+        if transposed:  # row: partial sums → all-reduce → bias once
+            node.target, node.args = aten.mm.default, (x, lw)
+        else:
+            node.args = (x, lw, None)
+        self.reduce_partials(node, s, lb)
+
+    def vocab(self, node: fx.Node, s: OpStrategy) -> None:
+        """Vocabulary-parallel lookup: rows outside this rank's range give 0, then all ranks add."""
+        w, ids = node.args[0], node.args[1]
+        assert isinstance(w, fx.Node)
+        vocab = int(w.meta["val"].shape[0])
+        lw = self.local_param(w, node, "S0")
+        lo, hi = self.rank * vocab // self.t, (self.rank + 1) * vocab // self.t
+        node.target, node.args = vocab_embedding, (lw, ids, lo, hi)
+        self.reduce_partials(node, s, None)
+
+    def local_shapes(self, node: fx.Node, s: OpStrategy) -> None:
+        """Shape constants on the split dim (views, expands, splits) divided by t."""
+        d, t = shard_dim(s.out), self.t
+        if d is None:
+            return
+        if node.target in (*RESHAPES, aten.expand.default):
+            node.args = (node.args[0], _divide(node.args[1], d, t), *node.args[2:])
+        elif node.target == aten.split.Tensor and cut_dim(node) == d:
+            node.args = (node.args[0], int(node.args[1]) // t, *node.args[2:])  # type: ignore[call-overload]
+        elif node.target == aten.split_with_sizes.default and cut_dim(node) == d:
+            node.args = (node.args[0], [int(x) // t for x in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
+
+    def operators(self) -> None:
+        """Every chosen operator: its inputs converted, its parameters and shapes made local."""
+        for node in list(self.graph.nodes):
+            s = self.chosen.get(node.name)
+            if s is None:
+                continue
+            self.partial_grads.update(
+                str(p.target) for p in partial_grad_params(node, s)
+            )  # before args change
+            for slot, src in enumerate(tensor_args(node)):
+                self.convert(node, src, s.inputs[slot] if slot < len(s.inputs) else R)
+            if s.name in ("column", "row"):
+                self.linear(node, s)
+            if s.name == "vocab":
+                self.vocab(node, s)
+            self.local_shapes(node, s)
+
+    def outside(self) -> None:
+        """Operators outside the tensor-parallel layers (the head's loss, the graph output) take
+        their inputs whole; logits split over the vocabulary leave as a DTensor (the loss is
+        computed vocab-parallel)."""
+        mesh = self.mesh
+
+        def vocab_logits(x: torch.Tensor, dim: int) -> torch.Tensor:
+            """The model's logits, split over the vocabulary, as a DTensor for ``loss_parallel``."""
+            return DTensor.from_local(x, mesh, [Shard(dim)], run_check=False)
+
+        for node in list(self.graph.nodes):
+            if (
+                node.op not in ("call_function", "output")
+                or node.name in self.chosen
+                or node.target in OURS
+                or (node.op != "output" and not isinstance(node.meta.get("val"), torch.Tensor | list | tuple))
+            ):
+                continue
+            for src in tensor_args(node):
+                if src.name not in self.chosen:
+                    continue
+                if node.op == "output" and vocab_parallel_output(src, self.out_of[src.name]):
+                    with self.graph.inserting_after(src):
+                        wrapped = self.graph.call_function(
+                            vocab_logits, (src, shard_dim(self.out_of[src.name]))
+                        )
+                    node.replace_input_with(src, wrapped)
+                else:
+                    self.convert(node, src, R)
+
+    def replicate_rest(self) -> None:
+        """Every parameter the graph still reads whole becomes a replicated DTensor read locally."""
+        for node in list(self.graph.nodes):
+            fqn = str(node.target)
+            if node.op != "get_attr" or fqn in self.placements or not is_param(self.gm, fqn):
+                continue
+            users = [u for u in node.users if not (u.op == "call_method" and u.target == "to_local")]
+            if users:
+                _set_param(self.gm, fqn, self.mesh, Replicate())
+                with self.graph.inserting_after(node):
+                    local = self.graph.call_method("to_local", (node,))
+                for u in users:
+                    u.replace_input_with(node, local)
+                self.placements[fqn] = R
+
+
+def tensor_parallel(
+    gm: fx.GraphModule, chosen: dict[str, OpStrategy], mesh: DeviceMesh
+) -> tuple[fx.GraphModule, dict[str, str]]:
+    """Rewrite ``gm`` in place for the TP mesh ``mesh`` (1-D); returns it and {param: placement}
+    (``PARTIAL_GRAD`` for parameters whose gradients the runtime must all-reduce each step)."""
+    rw = _Rewrite(gm, chosen, mesh)
+    rw.operators()
+    rw.outside()
+    rw.replicate_rest()
+    for fqn in rw.partial_grads:
+        rw.placements[fqn] = PARTIAL_GRAD
+    gm.graph.lint()
+    gm.recompile()
+    sharded = {k: v for k, v in rw.placements.items() if v not in (R, PARTIAL_GRAD)}
+    log.info("tensor parallel over %d ranks: %d parameters sharded: %s", rw.t, len(sharded), sharded)
+    return gm, rw.placements
+
+
+def resolve_strategies(
+    gm: fx.GraphModule,
+    layers: Sequence[Any],
+    table: dict[str, dict[str, tuple[str, str]]],
+    t: int,
+    *,
+    sp: bool = False,
+) -> dict[str, OpStrategy]:
+    """Node name → strategy for every layer whose type the plan's table (layer type → op key →
+    (strategy, output placement)) covers."""
+    chosen: dict[str, OpStrategy] = {}
+    for layer in layers:
+        ops = table.get(layer.type)
+        if ops is None:
+            continue
+        nodes = layer_nodes(gm, layer.index)
+        keys = op_keys(nodes, layer.name)
+        decided: dict[str, OpStrategy] = {}
+        for n in nodes:
+            want = ops.get(keys[n.name])
+            if want is None:
+                continue
+            match = [s for s in strategies(n, t) if (s.name, s.out) == want]
+            if not match and want[0] not in SHARDING:
+                # the plan's graph was traced at another micro-batch, where this reshape had other
+                # shapes (a (b·s, h) view with b = 1): let it follow its inputs instead
+                continue
+            if not match:
+                raise AutoparError(
+                    f"the plan shards {layer.name} {keys[n.name]} as {want[0]} ({want[1]}), which this "
+                    f"model's operator does not allow at tp {t}: the plan was made for another model"
+                )
+            decided[n.name] = match[0]
+        chosen.update(propagate(nodes, decided, t, sp=sp))
+        # shape-only no-ops (a contiguous() on an already contiguous tensor) may be traced at one
+        # batch size and not another: only the operators that split weights or heads must be there
+        missing = [k for k, (name, _) in ops.items() if k not in keys.values() and name in SHARDING]
+        if missing:
+            raise AutoparError(
+                f"the plan names operators {sorted(missing)[:3]} that layer {layer.name} lacks: "
+                "it was made for another model"
+            )
+    return chosen
+
+
+def tensor_parallel_for_plan(
+    captured: CapturedModel, plan: Plan, tp_mesh: DeviceMesh
+) -> tuple[fx.GraphModule, list[str]]:
+    """Rewrite a capture of the model (at the plan's micro-batch shape) for ``tp_mesh``.
+
+    The returned GraphModule runs on the model's own parameters, now DTensors on the TP axis
+    (the model object shares them, so its state_dict names are unchanged). Also returns the
+    names of the parameters whose gradients are partial over the TP group (``PARTIAL_GRAD``)."""
+    st = plan.strategy
+    table = {ltype: {key: (name, out) for key, name, out in ops} for ltype, ops in plan.tensor_parallel}
+    chosen = resolve_strategies(captured.gm, captured.layers, table, st.tp, sp=st.sequence_parallel)
+    gm, placements = tensor_parallel(captured.gm, chosen, tp_mesh)
+    return gm, sorted(k for k, v in placements.items() if v == PARTIAL_GRAD)
+
+
 __all__ = [
     "PARTIAL_GRAD",
     "is_param",
+    "resolve_strategies",
     "tensor_parallel",
-    "tp_chunks",
-    "tp_copy",
-    "tp_gather",
-    "tp_reduce",
-    "tp_reduce_scatter",
-    "tp_slice",
-    "vocab_embedding",
+    "tensor_parallel_for_plan",
 ]

@@ -61,10 +61,6 @@ class OpStrategy:
     """Placement of each parameter argument (``weight``/``bias``) when sharded."""
 
 
-SHARDING = ("column", "row", "heads", "vocab")
-"""Names of the strategies that split an operator's weights or heads (the others replicate or
-follow their inputs): what plans show per module."""
-
 RULES: dict[Any, str] = {
     aten.linear.default: "linear",
     aten.addmm.default: "linear",  # Conv1D (Hugging Face GPT-2): addmm(bias, x, W) with W (in, out)
@@ -286,98 +282,135 @@ def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
     sharded = [d for d, n in enumerate(shape) if n % t == 0 and n >= t]
     found = [replicate]
     if kind == "linear":
-        _, w, _, transposed = linear_parts(node)
-        wshape = _shape(w) if isinstance(w, fx.Node) else None
-        if wshape is None:
-            return found
-        out_dim, in_dim = (1, 0) if transposed else (0, 1)  # weight dims of output / input features
-        if wshape[out_dim] % t == 0:  # column: output features split, input replicated (grad all-reduced)
+        found.extend(_linear_strategies(node, shape, t))
+    elif kind == "embedding":
+        found.extend(_vocab_strategies(node, ins, shape, t))
+    elif kind == "attention":
+        found.extend(_heads_strategies(ins, shape, t))
+    elif kind == "batched_matmul":
+        found.extend(_batched_matmul_strategies(ins, shape, sharded, t))
+    elif kind in ("follow", "reduce_last"):
+        found.extend(_follow_strategies(node, kind, ins, shape, sharded, t))
+    return found
+
+
+def _linear_strategies(node: fx.Node, shape: tuple[int, ...], t: int) -> list[OpStrategy]:
+    """Column- and row-parallel ways to run a linear-kind node (Megatron's split of an MLP)."""
+    found: list[OpStrategy] = []
+    _, w, _, transposed = linear_parts(node)
+    wshape = _shape(w) if isinstance(w, fx.Node) else None
+    if wshape is None:
+        return found
+    out_dim, in_dim = (1, 0) if transposed else (0, 1)  # weight dims of output / input features
+    if wshape[out_dim] % t == 0:  # column: output features split, input replicated (grad all-reduced)
+        found.append(
+            OpStrategy(
+                name="column",
+                out=S(len(shape) - 1),
+                inputs=(RF,),
+                compute_fraction=1 / t,
+                params={"weight": S(out_dim), "bias": "S0"},
+            )
+        )
+    if wshape[in_dim] % t == 0:  # row: input features split, partial outputs all-reduced …
+        for out in (R, S(1)) if len(shape) == 3 and shape[1] % t == 0 else (R,):
+            found.append(  # … or reduce-scattered over the sequence (sequence parallelism)
+                OpStrategy(
+                    name="row",
+                    out=out,
+                    inputs=(S(len(shape) - 1),),
+                    compute_fraction=1 / t,
+                    reduce_output=True,
+                    params={"weight": S(in_dim), "bias": "R"},
+                )
+            )
+    return found
+
+
+def _vocab_strategies(node: fx.Node, ins: list[fx.Node], shape: tuple[int, ...], t: int) -> list[OpStrategy]:
+    """Vocabulary-parallel embedding: each rank looks up its rows, the rest are 0."""
+    found: list[OpStrategy] = []
+    w = node.args[0]
+    wshape = _shape(w) if isinstance(w, fx.Node) else None
+    if wshape is not None and wshape[0] % t == 0:
+        outs = (R, S(1)) if len(shape) == 3 and shape[1] % t == 0 else (R,)
+        for out in outs:  # partial rows all-reduced, or reduce-scattered over the sequence
             found.append(
                 OpStrategy(
-                    name="column",
-                    out=S(len(shape) - 1),
-                    inputs=(RF,),
+                    name="vocab",
+                    out=out,
+                    inputs=tuple(R for _ in ins),
                     compute_fraction=1 / t,
-                    params={"weight": S(out_dim), "bias": "S0"},
+                    reduce_output=True,
+                    params={"weight": "S0"},
                 )
             )
-        if wshape[in_dim] % t == 0:  # row: input features split, partial outputs all-reduced …
-            for out in (R, S(1)) if len(shape) == 3 and shape[1] % t == 0 else (R,):
-                found.append(  # … or reduce-scattered over the sequence (sequence parallelism)
-                    OpStrategy(
-                        name="row",
-                        out=out,
-                        inputs=(S(len(shape) - 1),),
-                        compute_fraction=1 / t,
-                        reduce_output=True,
-                        params={"weight": S(in_dim), "bias": "R"},
-                    )
-                )
-        return found
-    if kind == "embedding":  # vocabulary-parallel: each rank looks up its rows, the rest are 0
-        w = node.args[0]
-        wshape = _shape(w) if isinstance(w, fx.Node) else None
-        if wshape is not None and wshape[0] % t == 0:
-            outs = (R, S(1)) if len(shape) == 3 and shape[1] % t == 0 else (R,)
-            for out in outs:  # partial rows all-reduced, or reduce-scattered over the sequence
-                found.append(
-                    OpStrategy(
-                        name="vocab",
-                        out=out,
-                        inputs=tuple(R for _ in ins),
-                        compute_fraction=1 / t,
-                        reduce_output=True,
-                        params={"weight": "S0"},
-                    )
-                )
-        return found
-    if kind == "attention":  # (B, heads, T, head_dim): heads split; q, k and v all need it
-        if all(_shape(a) is not None and _shape(a)[1] % t == 0 for a in ins[:3]) and shape[1] % t == 0:  # type: ignore[index]
-            # an attention mask broadcast over heads (size 1 there) stays replicated
-            mask = tuple(
-                R if (_shape(a) or (1, 1))[1] == 1 or len(_shape(a) or ()) < 4 else S(1) for a in ins[3:]
-            )
-            found.append(
-                OpStrategy(name="heads", out=S(1), inputs=(S(1),) * 3 + mask, compute_fraction=1 / t)
-            )
-        return found
-    if kind == "batched_matmul":  # batch dims split on both operands
-        for d in sharded:
-            if d < len(shape) - 2:
-                found.append(
-                    OpStrategy(name="follow", out=S(d), inputs=(S(d),) * len(ins), compute_fraction=1 / t)
-                )
-        return found
-    if kind in ("follow", "reduce_last"):
-        for d in sharded:
-            if kind == "reduce_last" and d == len(shape) - 1:
-                continue  # a reduction over the sharded dim would need the whole dim
-            if d == cut_dim(node) and not _splits_fused_linear(node):
-                continue
-            need = []
-            for a in ins:
-                k, in_shape = _in_dim_for(node, a, d), _shape(a)
-                if k is None or (k >= 0 and in_shape is not None and in_shape[k] % t):
-                    break  # no such input dim, or it does not split t ways (2 KV heads at tp 4)
-                need.append(R if k == -1 else S(k))
-            else:
-                # replicated parameters must broadcast along the sharded dim (a norm's weight
-                # does along the sequence, not along the features)
-                params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
-                if any(_in_dim_for(node, p, d) not in (-1, None) for p in params):
-                    continue
-                if all(p != R for p in need[:1]):  # the main input carries the sharding
-                    found.append(
-                        OpStrategy(
-                            name="follow",
-                            out=S(d),
-                            inputs=tuple(need),
-                            compute_fraction=1 / t,
-                            reduce_param_grads=bool(params),
-                        )
-                    )
-        return found
     return found
+
+
+def _heads_strategies(ins: list[fx.Node], shape: tuple[int, ...], t: int) -> list[OpStrategy]:
+    """Attention over (B, heads, T, head_dim) with the heads split; q, k and v all need it."""
+    if all(_shape(a) is not None and _shape(a)[1] % t == 0 for a in ins[:3]) and shape[1] % t == 0:  # type: ignore[index]
+        # an attention mask broadcast over heads (size 1 there) stays replicated
+        mask = tuple(
+            R if (_shape(a) or (1, 1))[1] == 1 or len(_shape(a) or ()) < 4 else S(1) for a in ins[3:]
+        )
+        return [OpStrategy(name="heads", out=S(1), inputs=(S(1),) * 3 + mask, compute_fraction=1 / t)]
+    return []
+
+
+def _batched_matmul_strategies(
+    ins: list[fx.Node], shape: tuple[int, ...], sharded: list[int], t: int
+) -> list[OpStrategy]:
+    """A batched matmul with a batch dim split on both operands."""
+    return [
+        OpStrategy(name="follow", out=S(d), inputs=(S(d),) * len(ins), compute_fraction=1 / t)
+        for d in sharded
+        if d < len(shape) - 2
+    ]
+
+
+def _follow_strategies(
+    node: fx.Node, kind: str, ins: list[fx.Node], shape: tuple[int, ...], sharded: list[int], t: int
+) -> list[OpStrategy]:
+    """An elementwise, shape or last-dim-reducing operator sharded on each dim it allows."""
+    found: list[OpStrategy] = []
+    for d in sharded:
+        if kind == "reduce_last" and d == len(shape) - 1:
+            continue  # a reduction over the sharded dim would need the whole dim
+        if d == cut_dim(node) and not _splits_fused_linear(node):
+            continue
+        need = _follow_inputs(node, ins, d, t)
+        if need is None:
+            continue
+        # replicated parameters must broadcast along the sharded dim (a norm's weight
+        # does along the sequence, not along the features)
+        params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+        if any(_in_dim_for(node, p, d) not in (-1, None) for p in params):
+            continue
+        if all(p != R for p in need[:1]):  # the main input carries the sharding
+            found.append(
+                OpStrategy(
+                    name="follow",
+                    out=S(d),
+                    inputs=tuple(need),
+                    compute_fraction=1 / t,
+                    reduce_param_grads=bool(params),
+                )
+            )
+    return found
+
+
+def _follow_inputs(node: fx.Node, ins: list[fx.Node], d: int, t: int) -> list[str] | None:
+    """Placement each input needs for ``node``'s output to be sharded on dim ``d`` (None: some
+    input can't follow)."""
+    need: list[str] = []
+    for a in ins:
+        k, in_shape = _in_dim_for(node, a, d), _shape(a)
+        if k is None or (k >= 0 and in_shape is not None and in_shape[k] % t):
+            return None  # no such input dim, or it does not split t ways (2 KV heads at tp 4)
+        need.append(R if k == -1 else S(k))
+    return need
 
 
 def stream_placement(sp: bool) -> str:
@@ -448,7 +481,6 @@ __all__ = [
     "RESHAPES",
     "RF",
     "RULES",
-    "SHARDING",
     "OpStrategy",
     "R",
     "S",

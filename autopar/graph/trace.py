@@ -17,6 +17,7 @@ the output of a layer two back — we fall back to tracing the whole model.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import re
@@ -203,8 +204,30 @@ class NotPeriodic(Exception):
 
 def expand_repeated(gm: fx.GraphModule, rb: RepeatedBlocks, root: nn.Module) -> fx.GraphModule:
     """Splice a graph traced with blocks 0..2 into one for blocks 0..L-1 (see module doc)."""
-    L, prefix = rb.count, rb.fqn
+    prefix = rb.fqn
     nodes = list(gm.graph.nodes)
+    seg = _segments(nodes, prefix)
+    body = _periodic_bodies(nodes, seg, prefix)
+    sp = _Splice(
+        prefix=prefix,
+        count=rb.count,
+        seg=seg,
+        body=body,
+        pos0={n: p for p, n in enumerate(body[0])},
+        pos1={n: p for p, n in enumerate(body[1])},
+        graph=fx.Graph(),
+        env={},
+        attr_cache={},
+    )
+    _splice_nodes(sp, nodes)
+    new_gm = graph_module(root, sp.graph, gm.__class__.__name__)
+    new_gm.graph.lint()
+    return new_gm
+
+
+def _segments(nodes: list[fx.Node], prefix: str) -> dict[fx.Node, int | None]:
+    """Each node's segment in the 3-block graph: None prologue, 0/1/2 block+glue, 3 epilogue
+    (-1 for a block's weights, which are matched by name, not order)."""
     seg: dict[fx.Node, int | None] = {}  # segment: None prologue, 0/1/2 block+glue, 3 epilogue
     current: int | None = None
     for n in nodes:
@@ -219,6 +242,13 @@ def expand_repeated(gm: fx.GraphModule, rb: RepeatedBlocks, root: nn.Module) -> 
         elif current == 2 and n.op != "output":
             pass  # glue after the last block is treated as part of block 2's segment
         seg[n] = current if n.op != "output" else 3
+    return seg
+
+
+def _periodic_bodies(
+    nodes: list[fx.Node], seg: dict[fx.Node, int | None], prefix: str
+) -> dict[int, list[fx.Node]]:
+    """The non-weight nodes of segments 0, 1 and 2, after checking the blocks repeat."""
     body = {k: [n for n in nodes if seg.get(n) == k and n.op not in ("get_attr",)] for k in (0, 1, 2)}
     if not body[0] or not body[1] or not body[2]:
         raise NotPeriodic("a block has no nodes")
@@ -228,95 +258,126 @@ def expand_repeated(gm: fx.GraphModule, rb: RepeatedBlocks, root: nn.Module) -> 
     own = [[_op_key(n) for n in body[k] if block_index(n, prefix) == k] for k in (1, 2)]
     if own[0] != own[1]:
         raise NotPeriodic("blocks 1 and 2 differ")
-    pos1 = {n: p for p, n in enumerate(body[1])}
-    pos0 = {n: p for p, n in enumerate(body[0])}
+    return body
 
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    attr_cache: dict[str, fx.Node] = {}
 
-    def attr(target: str, like: fx.Node) -> fx.Node:
-        if target not in attr_cache:
-            new = graph.get_attr(target)
-            new.meta = dict(like.meta)
-            attr_cache[target] = new
-        return attr_cache[target]
+@dataclass(frozen=True, kw_only=True)
+class _Splice:
+    """What ``expand_repeated`` reads from the 3-block graph and the graph it builds."""
 
-    def rename(target: str, src: int, dst: int) -> str:
-        return target.replace(f"{prefix}.{src}.", f"{prefix}.{dst}.", 1)
+    prefix: str
+    """FQN of the ModuleList of blocks."""
+    count: int
+    """L, the blocks of the full model."""
+    seg: dict[fx.Node, int | None]
+    """Segment of each traced node (``_segments``)."""
+    body: dict[int, list[fx.Node]]
+    """Non-weight nodes of segments 0, 1, 2."""
+    pos0: dict[fx.Node, int]
+    """Position of each node of block 0 in ``body[0]``."""
+    pos1: dict[fx.Node, int]
+    """Position of each node of block 1 in ``body[1]``."""
+    graph: fx.Graph
+    """The graph being built."""
+    env: dict[fx.Node, fx.Node]
+    """Traced node → its copy in ``graph`` (prologue, blocks 0, 1, L-1, epilogue)."""
+    attr_cache: dict[str, fx.Node]
+    """get_attr target → its one node in ``graph``."""
 
-    def remap_stack(n: fx.Node, src: int, dst: int) -> None:
-        stack = n.meta.get("nn_module_stack")
-        if stack:
-            n.meta["nn_module_stack"] = {
-                k.replace(f"{prefix}.{src}", f"{prefix}.{dst}"): (
-                    p.replace(f"{prefix}.{src}", f"{prefix}.{dst}", 1)
-                    if p.startswith(f"{prefix}.{src}")
-                    else p,
-                    t,
-                )
-                for k, (p, t) in stack.items()
-            }
 
+def _splice_nodes(sp: _Splice, nodes: list[fx.Node]) -> None:
+    """Copy the traced nodes into ``sp.graph``, inserting copies of block 1 for blocks 2..L-2
+    just before the first node of block 2 (which becomes block L-1)."""
+    L = sp.count
     prev: list[fx.Node] = []  # the copy of the previous block, by position in block 1
-
-    def copy_block1(j: int) -> list[fx.Node]:
-        out: list[fx.Node] = []
-        local: dict[fx.Node, fx.Node] = {}
-
-        def arg(a: fx.Node) -> fx.Node:
-            if a in local:
-                return local[a]
-            if a.op == "get_attr" and block_index(a, prefix) == 1:
-                return attr(rename(str(a.target), 1, j), a)
-            s = seg.get(a)
-            if s == 0:
-                return prev[pos0[a]]
-            if s is None:
-                return env[a]
-            raise NotPeriodic(f"block 1 reads {a.name} from segment {s}")
-
-        for n in body[1]:
-            new = graph.node_copy(n, arg)
-            remap_stack(new, 1, j)
-            local[n] = new
-            out.append(new)
-        return out
-
-    def last_block_arg(a: fx.Node) -> fx.Node:
-        """Inputs of block 2's nodes, which become block L-1: block 1 → the last copy."""
-        if seg.get(a) == 1:
-            return prev[pos1[a]]
-        if seg.get(a) == 0:
-            raise NotPeriodic(f"block 2 reads {a.name} from block 0")
-        return env[a]
-
     for n in nodes:
-        s = seg[n]
+        s = sp.seg[n]
         if n.op == "get_attr":
-            bi = block_index(n, prefix)
+            bi = block_index(n, sp.prefix)
             if bi == 2:
-                env[n] = attr(rename(str(n.target), 2, L - 1), n)
+                sp.env[n] = _attr(sp, _rename(sp.prefix, str(n.target), 2, L - 1), n)
             elif bi is None or bi < 2:
-                env[n] = attr(str(n.target), n)
+                sp.env[n] = _attr(sp, str(n.target), n)
             continue
         if s == 2 and not prev:
-            prev = list(map(env.__getitem__, body[1]))
+            prev = list(map(sp.env.__getitem__, sp.body[1]))
             for j in range(2, L - 1):
-                prev = copy_block1(j)
+                prev = _copy_block1(sp, prev, j)
         if s == 2:
-            new = graph.node_copy(n, last_block_arg)
-            remap_stack(new, 2, L - 1)
-            env[n] = new
+            new = sp.graph.node_copy(n, functools.partial(_last_block_arg, sp, prev))
+            _remap_stack(sp.prefix, new, 2, L - 1)
+            sp.env[n] = new
             continue
         if s == 3 or (n.op == "output"):
             for a in n.all_input_nodes:
-                if seg.get(a) in (0, 1):
+                if sp.seg.get(a) in (0, 1):
                     raise NotPeriodic(f"the output reads {a.name} from an early block")
-        env[n] = graph.node_copy(n, env.__getitem__)
-    new_gm = graph_module(root, graph, gm.__class__.__name__)
-    new_gm.graph.lint()
-    return new_gm
+        sp.env[n] = sp.graph.node_copy(n, sp.env.__getitem__)
+
+
+def _attr(sp: _Splice, target: str, like: fx.Node) -> fx.Node:
+    """The one get_attr node of ``target`` in the new graph (created with ``like``'s meta)."""
+    if target not in sp.attr_cache:
+        new = sp.graph.get_attr(target)
+        new.meta = dict(like.meta)
+        sp.attr_cache[target] = new
+    return sp.attr_cache[target]
+
+
+def _rename(prefix: str, target: str, src: int, dst: int) -> str:
+    """``target`` with block ``prefix.src`` replaced by ``prefix.dst``."""
+    return target.replace(f"{prefix}.{src}.", f"{prefix}.{dst}.", 1)
+
+
+def _remap_stack(prefix: str, n: fx.Node, src: int, dst: int) -> None:
+    """Point ``n``'s ``nn_module_stack`` at block ``dst`` instead of block ``src``."""
+    stack = n.meta.get("nn_module_stack")
+    if stack:
+        n.meta["nn_module_stack"] = {
+            k.replace(f"{prefix}.{src}", f"{prefix}.{dst}"): (
+                p.replace(f"{prefix}.{src}", f"{prefix}.{dst}", 1) if p.startswith(f"{prefix}.{src}") else p,
+                t,
+            )
+            for k, (p, t) in stack.items()
+        }
+
+
+def _copy_block1(sp: _Splice, prev: list[fx.Node], j: int) -> list[fx.Node]:
+    """A copy of block 1 as block ``j``, reading the previous block's copy ``prev``."""
+    out: list[fx.Node] = []
+    local: dict[fx.Node, fx.Node] = {}
+    for n in sp.body[1]:
+        new = sp.graph.node_copy(n, functools.partial(_block1_arg, sp, prev, local, j))
+        _remap_stack(sp.prefix, new, 1, j)
+        local[n] = new
+        out.append(new)
+    return out
+
+
+def _block1_arg(
+    sp: _Splice, prev: list[fx.Node], local: dict[fx.Node, fx.Node], j: int, a: fx.Node
+) -> fx.Node:
+    """Input ``a`` of a block-1 node in its copy as block ``j``: the copy's own nodes
+    (``local``), block j's weights, the previous copy in place of block 0, or the prologue."""
+    if a in local:
+        return local[a]
+    if a.op == "get_attr" and block_index(a, sp.prefix) == 1:
+        return _attr(sp, _rename(sp.prefix, str(a.target), 1, j), a)
+    s = sp.seg.get(a)
+    if s == 0:
+        return prev[sp.pos0[a]]
+    if s is None:
+        return sp.env[a]
+    raise NotPeriodic(f"block 1 reads {a.name} from segment {s}")
+
+
+def _last_block_arg(sp: _Splice, prev: list[fx.Node], a: fx.Node) -> fx.Node:
+    """Inputs of block 2's nodes, which become block L-1: block 1 → the last copy."""
+    if sp.seg.get(a) == 1:
+        return prev[sp.pos1[a]]
+    if sp.seg.get(a) == 0:
+        raise NotPeriodic(f"block 2 reads {a.name} from block 0")
+    return sp.env[a]
 
 
 def _op_key(n: fx.Node) -> tuple[Any, ...]:

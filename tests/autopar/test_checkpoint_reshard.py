@@ -11,9 +11,8 @@ SCRIPT = """
 import datetime, sys
 import torch, torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from autopar import Cluster
-from autopar.costing import profile_fn
-from autopar.planner import Constraints, make_plan
+from autopar import Cluster, Constraints, PlanRequest
+from autopar.planner import make_plan
 from autopar.runtime import parallelize
 from autopar.zoo import GPT, GPTConfig
 
@@ -25,8 +24,8 @@ def plan(zero):
     with torch.device("meta"):
         meta = GPT(CFG)
     cons = Constraints(tp=1, pp=1, dp=2, zero=zero, micro_batch=2, recompute=("none",))
-    return make_plan("tiny", profile_fn(meta, dtype="fp32", seq=16), Cluster.preset("cpu"),
-                     global_batch=8, seq=16, dtype="fp32", constraints=cons).plan
+    return make_plan(PlanRequest(model=meta, name="tiny", cluster=Cluster.preset("cpu"),
+                                 global_batch=8, seq=16, dtype="fp32", constraints=cons)).plan
 
 def model():
     torch.manual_seed(0)

@@ -10,9 +10,8 @@ import pytest
 from autopar import Cluster
 from autopar.cost_models import comm
 from autopar.cost_models.estimate import estimate
-from autopar.cost_models.strategy import Strategy
-from autopar.costing import profile_fn
 from autopar.errors import AutoparError
+from autopar.measure.comm import fit_line, groups_of, message_sizes
 from autopar.measurements import (
     CollectiveFit,
     CommProfile,
@@ -23,7 +22,8 @@ from autopar.measurements import (
     load_compute,
     write,
 )
-from autopar.profile_comm import fit_line, groups_of, message_sizes
+from autopar.planner import ModelProfiles
+from autopar.strategy import Strategy
 from autopar.zoo import GPT, GPTConfig
 
 SEQ = 32
@@ -39,12 +39,12 @@ def profile():
 
     with torch.device("meta"):
         model = tiny()
-    return profile_fn(model, dtype="fp32", seq=SEQ)
+    return ModelProfiles.of(model, dtype="fp32", seq=SEQ)
 
 
 def compute_profile(prof, *, scale: float = 1.0, dtype: str = "fp32") -> ComputeProfile:
     """A synthetic measurement of every layer type at micro-batches 1 and 2, tp 1 and 2."""
-    base = prof(1)
+    base = prof.at(1)
     timings = [
         LayerTiming(
             layer_type=name,
@@ -144,25 +144,25 @@ def test_measured_compute_replaces_the_roofline(profile) -> None:
     cp = compute_profile(profile)
     cluster = Cluster.preset("cpu").from_profile(compute=cp)
     st = _strategy()
-    est = estimate(profile(2), cluster, st)
+    est = estimate(profile.at(2), cluster, st)
     want = sum(
-        (t.forward_s + t.backward_s) * (profile(2).blocks if t.layer_type == "Block" else 1)
+        (t.forward_s + t.backward_s) * (profile.at(2).blocks if t.layer_type == "Block" else 1)
         for t in cp.layers
         if t.micro_batch == 2 and t.tp == 1
     )
     assert est.breakdown_s["compute"] == pytest.approx(st.micro_batches * want, rel=1e-12)
     assert est.breakdown_s["optimizer"] == pytest.approx(
-        2e-9 * sum(lc.params for lc in profile(2).layer_types.values())
-        + 2e-9 * 3 * profile(2).layer_types["Block"].params,
+        2e-9 * sum(lc.params for lc in profile.at(2).layer_types.values())
+        + 2e-9 * 3 * profile.at(2).layer_types["Block"].params,
         rel=1e-9,
     )
     assert not est.notes
     # a micro-batch that was not measured falls back to the roofline, and says so
-    est4 = estimate(profile(4), cluster, _strategy(micro_batch=4))
+    est4 = estimate(profile.at(4), cluster, _strategy(micro_batch=4))
     assert any("not measured: roofline used" in n for n in est4.notes)
     assert (
         est4.breakdown_s["compute"]
-        == estimate(profile(4), Cluster.preset("cpu"), _strategy(micro_batch=4)).breakdown_s["compute"]
+        == estimate(profile.at(4), Cluster.preset("cpu"), _strategy(micro_batch=4)).breakdown_s["compute"]
     )
 
 
@@ -172,12 +172,12 @@ def test_a_profile_of_another_model_is_refused(profile) -> None:
     cp = compute_profile(profile)
     with torch.device("meta"):
         other = GPT(GPTConfig(n_layer=4, n_embd=96, n_head=4, vocab_size=128, block_size=SEQ))
-    prof = profile_fn(other, dtype="fp32", seq=SEQ)
+    prof = ModelProfiles.of(other, dtype="fp32", seq=SEQ)
     with pytest.raises(AutoparError, match="measured for tiny"):
-        estimate(prof(2), Cluster.preset("cpu").from_profile(compute=cp), _strategy())
-    longer = profile_fn(tiny(), dtype="fp32", seq=2 * SEQ)
+        estimate(prof.at(2), Cluster.preset("cpu").from_profile(compute=cp), _strategy())
+    longer = ModelProfiles.of(tiny(), dtype="fp32", seq=2 * SEQ)
     with pytest.raises(AutoparError, match="sequence length 32"):
-        estimate(longer(2), Cluster.preset("cpu").from_profile(compute=cp), _strategy(seq=2 * SEQ))
+        estimate(longer.at(2), Cluster.preset("cpu").from_profile(compute=cp), _strategy(seq=2 * SEQ))
 
 
 def test_measured_collectives_and_overlap(profile) -> None:
@@ -190,14 +190,15 @@ def test_measured_collectives_and_overlap(profile) -> None:
     assert comm.allreduce_time_s(1e6, 2, analytic) == pytest.approx(2 * 50e-6 + 1e6 / 2e9)
     # group sizes not measured: alpha-beta, with a note
     four = Cluster.preset("cpu", gpus_per_node=4).from_profile(comm=comm_profile())
-    est = estimate(profile(2), four, _strategy(dp=4, global_batch=8))
+    est = estimate(profile.at(2), four, _strategy(dp=4, global_batch=8))
     assert any("all_reduce over dp 4" in n for n in est.notes)
     # overlap 0 (gloo, one rank per core): the gradient all-reduce is exposed whole
     st = _strategy()
-    hidden = estimate(profile(2), Cluster.preset("cpu").from_profile(comm=comm_profile(overlap=1.0)), st)
-    exposed = estimate(profile(2), Cluster.preset("cpu").from_profile(comm=comm_profile(overlap=0.0)), st)
+    hidden = estimate(profile.at(2), Cluster.preset("cpu").from_profile(comm=comm_profile(overlap=1.0)), st)
+    exposed = estimate(profile.at(2), Cluster.preset("cpu").from_profile(comm=comm_profile(overlap=0.0)), st)
     grads = (
-        sum(lc.params for lc in profile(2).layer_types.values()) + 3 * profile(2).layer_types["Block"].params
+        sum(lc.params for lc in profile.at(2).layer_types.values())
+        + 3 * profile.at(2).layer_types["Block"].params
     )
     assert exposed.breakdown_s["dp_comm"] == pytest.approx(1e-4 + 1e-9 * 4 * grads, rel=1e-9)
     assert hidden.breakdown_s["dp_comm"] <= exposed.breakdown_s["dp_comm"]

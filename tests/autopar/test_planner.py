@@ -10,15 +10,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from autopar import Cluster, InfeasibleError, Plan, capture
+from autopar import Cluster, Constraints, InfeasibleError, Plan, PlanRequest
 from autopar.cli import main
 from autopar.cost_models.estimate import estimate
-from autopar.cost_models.profile import ModelProfile, at_micro_batch
-from autopar.cost_models.strategy import RECOMPUTE, Strategy
-from autopar.costing import profile_fn
-from autopar.layout_ilp import MIP_GAP
-from autopar.planner import Constraints, make_plan, outer_strategies
-from autopar.tp_layouts import TPLayouts
+from autopar.planner import ModelProfiles, make_plan
+from autopar.planner.layout_ilp import MIP_GAP
+from autopar.planner.search import outer_strategies
+from autopar.planner.tp_layouts import TPLayouts
+from autopar.strategy import RECOMPUTE, Strategy
 from autopar.zoo import GPT, GPTConfig
 
 LAYERS, SEQ = 4, 128
@@ -31,9 +30,15 @@ def profile_at():
     )
     with torch.device("meta"):
         model = GPT(cfg).to(torch.bfloat16)
-    one = ModelProfile.from_captured(capture(model, batch=1, seq=SEQ))
-    two = ModelProfile.from_captured(capture(model, batch=2, seq=SEQ))
-    return lambda b: one if b == 1 else two if b == 2 else at_micro_batch(one, two, b)
+    return ModelProfiles.of(model, dtype="bf16", seq=SEQ)
+
+
+def plan_with(profiles, cluster, *, batch, seq=SEQ, c=None, model="tiny"):
+    """``make_plan`` of a request for ``profiles`` (already captured) on ``cluster``."""
+    request = PlanRequest(
+        model=model, cluster=cluster, global_batch=batch, seq=seq, constraints=c or Constraints()
+    )
+    return make_plan(request, profiles)
 
 
 def _layouts(blocks: int, pp: int, v: int, allowed: tuple[str, ...]):
@@ -66,13 +71,12 @@ def brute_force(profile_at, cluster: Cluster, *, global_batch: int, c: Constrain
     space = set()
     for schedule, sp in itertools.product(("gpipe", "1f1b", "interleaved"), (True, False)):
         cc = replace(c, schedule=schedule, sequence_parallel=sp)
-        space |= set(
-            outer_strategies(
-                cluster, blocks=LAYERS, heads=4, global_batch=global_batch, seq=SEQ, dtype="bf16", c=cc
-            )
+        request = PlanRequest(
+            model="tiny", cluster=cluster, global_batch=global_batch, seq=SEQ, constraints=cc
         )
+        space |= set(outer_strategies(request, blocks=LAYERS, heads=4))
     for st in (v for s in space for v in layouts.variants(s)):  # fastest and leanest TP layouts
-        prof = profile_at(st.micro_batch)
+        prof = profile_at.at(st.micro_batch)
         for layout in _layouts(LAYERS, st.pp, st.virtual_stages, c.recompute):
             chosen = replace(st, layout=layout)
             est = estimate(prof, cluster, chosen, reserve_bytes=c.reserve_bytes, tp_layout=layouts(st))
@@ -105,30 +109,21 @@ def test_planner_optimum_equals_brute_force(profile_at, gpn, nodes, batch, cap_m
     expected = brute_force(profile_at, cluster, global_batch=batch, c=c)
     if expected == math.inf:
         with pytest.raises(InfeasibleError):
-            make_plan("tiny", profile_at, cluster, global_batch=batch, seq=SEQ, constraints=c)
+            plan_with(profile_at, cluster, batch=batch, c=c)
         return
-    result = make_plan("tiny", profile_at, cluster, global_batch=batch, seq=SEQ, constraints=c)
+    result = plan_with(profile_at, cluster, batch=batch, c=c)
     assert result.plan.predicted["step_time_s"] == pytest.approx(expected, rel=MIP_GAP)
 
 
 def test_some_instances_bind_memory(profile_at) -> None:
     """The caps above are tight enough to change the answer (else the test proves little)."""
     cluster = Cluster.preset("dgx-a100-80g", nodes=1, gpus_per_node=4)
-    free = make_plan(
-        "t",
+    free = plan_with(profile_at, cluster, batch=8, c=Constraints(reserve_bytes=0.0, max_micro_batch=4)).plan
+    tight = plan_with(
         profile_at,
         cluster,
-        global_batch=8,
-        seq=SEQ,
-        constraints=Constraints(reserve_bytes=0.0, max_micro_batch=4),
-    ).plan
-    tight = make_plan(
-        "t",
-        profile_at,
-        cluster,
-        global_batch=8,
-        seq=SEQ,
-        constraints=Constraints(reserve_bytes=0.0, max_micro_batch=4, memory_cap_bytes=6 * 2**20),
+        batch=8,
+        c=Constraints(reserve_bytes=0.0, max_micro_batch=4, memory_cap_bytes=6 * 2**20),
     ).plan
     assert tight.predicted["step_time_s"] > free.predicted["step_time_s"]
     assert tight.strategy != free.strategy
@@ -136,9 +131,7 @@ def test_some_instances_bind_memory(profile_at) -> None:
 
 def test_plan_round_trips_and_validates(profile_at, tmp_path) -> None:
     cluster = Cluster.preset("dgx-a100-80g", nodes=2, gpus_per_node=2)
-    result = make_plan(
-        "tiny", profile_at, cluster, global_batch=8, seq=SEQ, constraints=Constraints(pp=2, reserve_bytes=0.0)
-    )
+    result = plan_with(profile_at, cluster, batch=8, c=Constraints(pp=2, reserve_bytes=0.0))
     plan = result.plan
     assert Plan.from_json(plan.to_json()) == plan
     assert Plan.from_json(plan.to_json()).hash == plan.hash
@@ -149,7 +142,7 @@ def test_plan_round_trips_and_validates(profile_at, tmp_path) -> None:
     assert "stage 0:" in plan.text() and "stage 1:" in plan.text()
     assert plan.predicted["step_time_s"] == pytest.approx(
         estimate(
-            profile_at(st.micro_batch),
+            profile_at.at(st.micro_batch),
             cluster,
             st,
             reserve_bytes=0.0,
@@ -165,7 +158,7 @@ def test_leanest_tp_layout_is_planned_when_the_fastest_does_not_fit() -> None:
     cfg = GPTConfig(n_layer=4, n_embd=1024, n_head=16, vocab_size=512, block_size=512)
     with torch.device("meta"):
         model = GPT(cfg)
-    prof = profile_fn(model, dtype="bf16", seq=512)
+    prof = ModelProfiles.of(model, dtype="bf16", seq=512)
     cluster = Cluster.preset("dgx-h100", gpus_per_node=2)
     c = Constraints(
         tp=2,
@@ -180,22 +173,16 @@ def test_leanest_tp_layout_is_planned_when_the_fastest_does_not_fit() -> None:
     layouts = TPLayouts(prof, cluster, "bf16")
     fast = Strategy(tp=2, global_batch=2, seq=512)
     peaks = {
-        objective: estimate(prof(1), cluster, st, reserve_bytes=0.0, tp_layout=layouts(st))
+        objective: estimate(prof.at(1), cluster, st, reserve_bytes=0.0, tp_layout=layouts(st))
         .memory[0]
         .peak_bytes
         for objective in ("time", "memory")
         for st in [replace(fast, tp_objective=objective)]
     }
     assert peaks["memory"] < peaks["time"]
-    free = make_plan("t", prof, cluster, global_batch=2, seq=512, constraints=c).plan
-    tight = make_plan(
-        "t",
-        prof,
-        cluster,
-        global_batch=2,
-        seq=512,
-        constraints=replace(c, memory_cap_bytes=(peaks["time"] + peaks["memory"]) / 2),
-    ).plan
+    free = plan_with(prof, cluster, batch=2, seq=512, c=c).plan
+    cap = (peaks["time"] + peaks["memory"]) / 2
+    tight = plan_with(prof, cluster, batch=2, seq=512, c=replace(c, memory_cap_bytes=cap)).plan
     assert free.strategy.tp_objective == "time" and tight.strategy.tp_objective == "memory"
     assert "TP layout: leanest" in tight.text() and "leanest" not in free.text()
     blocks = {name: ops for name, ops in tight.tensor_parallel}
@@ -212,21 +199,19 @@ def test_plan_beats_the_hand_heuristic_and_megatron_on_zoo_models() -> None:
     ]
     for model, preset, nodes, batch, seq in cases:
         cluster = Cluster.preset(preset, nodes=nodes)
-        result = make_plan(
-            model, profile_fn(model, dtype="bf16", seq=seq), cluster, global_batch=batch, seq=seq
-        )
+        result = make_plan(PlanRequest(model=model, cluster=cluster, global_batch=batch, seq=seq))
         best = result.plan.predicted["step_time_s"]
         for name, cand in result.baselines.items():
             if cand is not None:
                 assert best <= cand.estimate.step_time_s * (1 + 1e-9), (model, name)
         assert result.baselines["tp=gpus/node, pp across nodes"] is not None, model
     # the published 175B configuration (tp 8, pp 16, dp 8, micro-batch 1, full recompute)
-    prof = profile_fn("gpt3-175b", dtype="bf16", seq=2048)
+    prof = ModelProfiles.of("gpt3-175b", dtype="bf16", seq=2048)
     cluster = Cluster.preset("dgx-a100-80g", nodes=128)
     megatron = estimate(
-        prof(1), cluster, Strategy(tp=8, pp=16, dp=8, global_batch=1536, seq=2048, recompute="full")
+        prof.at(1), cluster, Strategy(tp=8, pp=16, dp=8, global_batch=1536, seq=2048, recompute="full")
     )
-    chosen = make_plan("gpt3-175b", prof, cluster, global_batch=1536, seq=2048).plan
+    chosen = plan_with(prof, cluster, batch=1536, seq=2048, model="gpt3-175b").plan
     assert megatron.fits and chosen.predicted["step_time_s"] <= megatron.step_time_s
 
 
@@ -258,26 +243,19 @@ def test_plan_cli_json_and_out(capsys, tmp_path) -> None:
     )
     assert code == 0
     rep = json.loads(capsys.readouterr().out)
-    for key in (
-        "tp",
-        "pp",
-        "dp",
-        "zero",
-        "micro_batch",
-        "num_microbatches",
-        "schedule",
-        "virtual_stages",
-        "sequence_parallel",
-        "stages",
-    ):
-        assert key in rep["plan"], key
+    plan = Plan.from_json(out.read_text())
+    assert rep["plan"] == plan.to_dict()  # one plan schema: what --out writes
+    assert Plan.from_dict(rep["plan"]) == plan and rep["hash"] == plan.hash
+    for key in ("tp", "pp", "dp", "zero", "micro_batch", "schedule", "virtual_stages", "sequence_parallel"):
+        assert key in rep["plan"]["strategy"], key
+    assert [len(s["layers"]) for s in rep["plan"]["stages"]] == [len(s.layers) for s in plan.stages]
     for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "fits", "memory", "breakdown_s"):
         assert key in rep["predicted"], key
     assert set(rep) >= {"alternatives", "baselines", "solve_time_s", "optimality_gap"}
     assert len(rep["alternatives"]) <= 3
-    assert all(a["slower_by"] >= 1 - 1e-9 for a in rep["alternatives"])
-    plan = Plan.from_json(out.read_text())
-    assert plan.strategy.tp == rep["plan"]["tp"] and plan.hash == rep["plan"]["hash"]
+    rows = rep["alternatives"] + [b for b in rep["baselines"].values() if b is not None]
+    assert rows and all(a["slower_by"] >= 1 - 1e-9 for a in rows)
+    assert all(set(a["strategy"]) == set(rep["plan"]["strategy"]) for a in rows)  # Strategy.to_dict
 
 
 def test_plan_cli_table_and_constraints(capsys) -> None:

@@ -12,8 +12,8 @@ import textwrap
 import pytest
 import torch
 
-from autopar.costing import profile_fn
 from autopar.measurements import dumps, load_comm, load_compute
+from autopar.planner import ModelProfiles
 from autopar.zoo import GPT, GPTConfig
 
 SEQ = 32
@@ -76,7 +76,7 @@ def test_profile_measures_every_layer_type_width_and_batch(profiled) -> None:
     # saved-tensor accounting against the graph's annotation of the same block (Korthikanti's terms)
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=128, block_size=SEQ))
-    block = profile_fn(model, dtype="fp32", seq=SEQ)(2).layer_types["Block"]
+    block = ModelProfiles.of(model, dtype="fp32", seq=SEQ).at(2).layer_types["Block"]
     analytic = block.saved_stream_bytes + block.saved_sharded_bytes + block.saved_quadratic_bytes
     measured = {
         (t.tp, t.sequence_parallel): t.saved_bytes

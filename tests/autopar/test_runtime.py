@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from autopar import Cluster
-from autopar.costing import profile_fn
-from autopar.planner import Constraints, make_plan
-from autopar.verify import dp_worker, run_reference
+from autopar import Cluster, Constraints, PlanRequest
+from autopar.measure.verify import dp_worker, run_reference
+from autopar.planner import make_plan
 from autopar.zoo import GPT, GPTConfig
 
 CFG = GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16)
@@ -28,16 +27,16 @@ def _plan(zero: int, micro_batch: int, recompute: str, dtype: str = "fp32") -> s
     with torch.device("meta"):
         meta = GPT(CFG)
     cons = Constraints(tp=1, pp=1, dp=WORLD, zero=zero, micro_batch=micro_batch, recompute=(recompute,))
-    result = make_plan(
-        "tiny-gpt",
-        profile_fn(meta, dtype=dtype, seq=SEQ),
-        Cluster.preset("cpu"),
+    request = PlanRequest(
+        model=meta,
+        name="tiny-gpt",
+        cluster=Cluster.preset("cpu"),
         global_batch=BATCH,
         seq=SEQ,
         dtype=dtype,
         constraints=cons,
     )
-    return result.plan.to_json()
+    return make_plan(request).plan.to_json()
 
 
 CASES = [(0, 4, "none"), (1, 2, "full"), (2, 1, "none"), (3, 2, "full"), (0, 2, "selective")]
@@ -138,7 +137,8 @@ def test_verify_cli_passes_and_reports(capsys, tmp_path) -> None:
     )
     rep = json.loads(capsys.readouterr().out)
     assert code == 0 and rep["passed"]
-    assert rep["plan"]["dp"] == 2 and rep["plan"]["zero"] == 2 and len(rep["losses"]) == 2
+    st = rep["plan"]["strategy"]
+    assert st["dp"] == 2 and st["zero"] == 2 and len(rep["losses"]) == 2
     assert rep["max_loss_diff"] <= 1e-5 and rep["max_param_diff"] <= 1e-4
 
 
@@ -174,15 +174,16 @@ def _plan_for_one() -> str:
     with torch.device("meta"):
         meta = GPT(CFG)
     cons = Constraints(tp=1, pp=1, dp=1, micro_batch=2, recompute=("none",))
-    return make_plan(
-        "tiny-gpt",
-        profile_fn(meta, dtype="fp32", seq=SEQ),
-        Cluster.preset("cpu", gpus_per_node=1),
+    request = PlanRequest(
+        model=meta,
+        name="tiny-gpt",
+        cluster=Cluster.preset("cpu", gpus_per_node=1),
         global_batch=4,
         seq=SEQ,
         dtype="fp32",
         constraints=cons,
-    ).plan.to_json()
+    )
+    return make_plan(request).plan.to_json()
 
 
 def test_bad_input_is_a_clear_error(world_of_one) -> None:
@@ -217,7 +218,7 @@ def test_bad_input_is_a_clear_error(world_of_one) -> None:
 def test_a_bad_batch_on_one_rank_is_an_error_on_every_rank(tmp_path) -> None:
     import time
 
-    from autopar.verify import bad_batch_worker
+    from autopar.measure.verify import bad_batch_worker
 
     start = time.perf_counter()
     out = str(tmp_path / "msg")
@@ -254,7 +255,7 @@ def test_hugging_face_gpt2_zero3_recompute_accumulation(capsys, tmp_path) -> Non
     code = main([*args, "--steps", "2", "--json"])
     rep = json.loads(capsys.readouterr().out)
     assert code == 0 and rep["passed"], rep
-    assert rep["plan"]["layout"] == [[0, 0, 4]]  # all four transformer.h.* blocks recomputed
+    assert rep["plan"]["strategy"]["layout"] == [[0, 0, 4]]  # all four transformer.h.* blocks recomputed
     assert rep["max_loss_diff"] <= 1e-5 and rep["max_param_diff"] <= 1e-4
 
 
@@ -270,5 +271,5 @@ def test_verify_cli_tensor_parallel_json(capsys, tmp_path) -> None:
     code = main(["verify", f"{path}:tiny", "--tp", "2", "--sequence-parallel", "--steps", "2", "--json"])
     rep = json.loads(capsys.readouterr().out)
     assert code == 0 and rep["passed"], rep
-    assert rep["plan"]["tp"] == 2 and rep["plan"]["sequence_parallel"] is True
+    assert rep["plan"]["strategy"]["tp"] == 2 and rep["plan"]["strategy"]["sequence_parallel"] is True
     assert rep["max_loss_diff"] <= 1e-5

@@ -7,16 +7,13 @@ import pytest
 import torch
 
 from autopar import Cluster
+from autopar.cost_models.tp import op_memory_bytes, param_numel, param_owners
 from autopar.errors import AutoparError
 from autopar.graph import capture
+from autopar.passes.tp_graph import layer_nodes, op_keys
 from autopar.passes.tp_rules import strategies
-from autopar.tp_choice import (
-    choose_layer,
-    layer_nodes,
-    op_keys,
-)
-from autopar.tp_layouts import plan_table
-from autopar.tp_memory import op_memory_bytes, param_numel, param_owners
+from autopar.planner.tp_ilp import choose_layer
+from autopar.planner.tp_layouts import plan_table
 from autopar.zoo import GPT, GPTConfig
 
 
@@ -40,9 +37,8 @@ RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_megatron_layout_emerges_for_gpt(tp: int) -> None:
-    from autopar.cost_models.comm import group_link
+    from autopar.cost_models.tp import layer_context, price_layer
     from autopar.passes.tp_rules import propagate
-    from autopar.tp_choice import _summarise, boundary, layer_nodes, needs_grad
 
     cap = _gpt()
     cluster = Cluster.preset("dgx-h100")
@@ -60,20 +56,9 @@ def test_megatron_layout_emerges_for_gpt(tp: int) -> None:
         for n in nodes
         if choice.strategies[n.name].name == "row"
     }
-    pure = _summarise(
-        nodes,
-        propagate(nodes, megatron, tp),
-        tp,
-        group_link(cluster, size=tp, stride=1),
-        cluster,
-        "bf16",
-        boundary(nodes, False)[0],
-        needs_grad(cap.gm),
-        boundary(nodes, False)[1],
-        "R",
-        set(),  # a block feeds no model output
-        0.0,  # memory: not compared here
-    )
+    ctx = layer_context(cap.gm, (1,), tp, cluster, dtype="bf16", sp=False)
+    assert not ctx.final  # a block feeds no model output
+    pure = price_layer(ctx, propagate(nodes, megatron, tp), 0.0)  # memory: not compared here
     assert (
         sorted((c.kind, c.phase) for c in pure.collectives if c.kind == "all_reduce")
         == [("all_reduce", "backward")] * 2 + [("all_reduce", "forward")] * 2

@@ -150,7 +150,8 @@ def test_outline_refuses_a_group_that_is_not_convex() -> None:
 def test_recompute_wraps_outlined_blocks_and_keeps_gradients_exact() -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from autopar.runtime_pp import fqn, recompute_blocks
+    from autopar.passes.recompute import recompute
+    from autopar.runtime.state import fqn
 
     model = make_gpt()
     stages, _, whole = _split(model, [3])
@@ -158,7 +159,7 @@ def test_recompute_wraps_outlined_blocks_and_keeps_gradients_exact() -> None:
     lm_loss(whole(x), x).backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    stages[0] = recompute_blocks(stages[0], {"blocks.0": "full", "blocks.1": "selective"})
+    stages[0] = recompute(stages[0], {"blocks.0": "full", "blocks.1": "selective"})
     assert isinstance(stages[0].get_submodule("blocks.0"), CheckpointWrapper)
     assert isinstance(stages[0].get_submodule("blocks.1.attn"), CheckpointWrapper)
     assert not isinstance(stages[0].get_submodule("blocks.1.mlp"), CheckpointWrapper)

@@ -10,13 +10,13 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import Cluster
-from autopar.costing import profile_fn
-from autopar.passes.tp_rules import SHARDING
+from autopar.cost_models.tp import LOSS, step_collectives
+from autopar.measure.verify import compare, dp_worker, run_reference, spawn_plans
 from autopar.plan import Plan
-from autopar.planner import Constraints, make_plan
-from autopar.tp_choice import LOSS, step_collectives
-from autopar.tp_layouts import layer_choices
-from autopar.verify import compare, dp_worker, run_reference, spawn_plans
+from autopar.planner import ModelProfiles, make_plan
+from autopar.planner.tp_layouts import layer_choices
+from autopar.request import Constraints, PlanRequest
+from autopar.strategy import SHARDING
 from autopar.zoo import GPT, GPTConfig, hf
 from autopar.zoo.llama import Llama, LlamaConfig
 
@@ -59,15 +59,16 @@ def _plan(
         sequence_parallel=sp,
         tp_objective=objective,
     )
-    return make_plan(
-        "tiny",
-        profile_fn(meta, dtype="fp32", seq=SEQ),
-        Cluster.preset("cpu", gpus_per_node=tp * dp),
+    request = PlanRequest(
+        model=meta,
+        name="tiny",
+        cluster=Cluster.preset("cpu", gpus_per_node=tp * dp),
         global_batch=BATCH,
         seq=SEQ,
         dtype="fp32",
         constraints=cons,
-    ).plan
+    )
+    return make_plan(request).plan
 
 
 def _sharded(plan: Plan, ltype: str | None = None) -> dict[str, str]:
@@ -156,7 +157,7 @@ def _predicted_counts(make, plan: Plan) -> dict[str, int]:
     st = plan.strategy
     with torch.device("meta"):
         meta = make()
-    cap = profile_fn(meta, dtype="fp32", seq=SEQ).captured(st.micro_batch)
+    cap = ModelProfiles.of(meta, dtype="fp32", seq=SEQ).captured(st.micro_batch)
     names = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor"}
     names["reduce_scatter"] = "reduce_scatter_tensor"
     counts: dict[str, int] = {}
@@ -242,7 +243,7 @@ def _loss_collectives(make, plan: Plan) -> list[tuple[str, int]]:
     """The head's predicted vocab-parallel cross-entropy reductions: (kind, bytes) per micro-batch."""
     with torch.device("meta"):
         meta = make()
-    cap = profile_fn(meta, dtype="fp32", seq=SEQ).captured(plan.strategy.micro_batch)
+    cap = ModelProfiles.of(meta, dtype="fp32", seq=SEQ).captured(plan.strategy.micro_batch)
     cluster = Cluster.from_dict(plan.cluster)
     ends = layer_choices(cap, cluster, plan.strategy.tp, "fp32", sp=plan.strategy.sequence_parallel)[-1][2]
     return [(c.kind, c.size_bytes) for c in ends.collectives if c.at == LOSS]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from autopar.graph import capture
+from autopar.passes.tp_graph import layer_nodes
 from autopar.passes.tp_rules import RF, R, propagate, strategies, view_dim_map
-from autopar.tp_choice import layer_nodes
 from autopar.zoo import GPT, GPTConfig
 
 

@@ -1,0 +1,128 @@
+"""What the CLI's commands share: argument types, the plan flags, plan files, output helpers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+from autopar.request import Constraints
+from autopar.strategy import RECOMPUTE, TP_OBJECTIVES
+
+MODEL_HELP = "zoo name, path/to/file.py:factory or pkg.mod:factory"
+CLUSTER_HELP = "preset name (see `autopar clusters`) or YAML file"
+DTYPES = ["bf16", "fp16", "fp32"]
+
+
+def positive(text: str) -> int:
+    """argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_json_flag(p: argparse.ArgumentParser, what: str = "a table") -> None:
+    p.add_argument("--json", action="store_true", help=f"print JSON instead of {what}")
+
+
+def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
+    """The plan knobs `autopar plan` and `autopar verify` share (None: the planner chooses)."""
+    g.add_argument("--tp", type=positive, default=None, help="fix the tensor-parallel degree")
+    g.add_argument("--pp", type=positive, default=None, help="fix the pipeline-parallel degree")
+    g.add_argument("--dp", type=positive, default=None, help="fix the data-parallel degree")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="fix the ZeRO stage")
+    g.add_argument("--micro-batch", type=positive, default=None, help="fix the micro-batch size")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default=None)
+    g.add_argument("--virtual-stages", type=positive, default=None, help="fix v (interleaved)")
+    g.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force sequence parallelism on or off",
+    )
+    g.add_argument(
+        "--tp-objective",
+        choices=TP_OBJECTIVES,
+        default=None,
+        help="what the per-operator TP choice minimises (default: the planner prices both)",
+    )
+    g.add_argument(
+        "--recompute",
+        default=",".join(RECOMPUTE),
+        help="recompute choices allowed, comma-separated (default none,selective,full)",
+    )
+
+
+def add_measured_flags(p: argparse.ArgumentParser) -> None:
+    """--profile / --comm: measured numbers in place of the cluster's analytic ones."""
+    p.add_argument("--profile", default=None, help="compute profile JSON from `autopar profile`")
+    p.add_argument("--comm", default=None, help="collective fits JSON from `autopar profile-comm`")
+
+
+def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Constraints:
+    """The planner's Constraints from the shared plan flags (``add_constraint_flags``)."""
+    allowed = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
+    if not allowed or any(x not in RECOMPUTE for x in allowed):
+        raise AutoparError(
+            f"--recompute takes a comma-separated subset of {', '.join(RECOMPUTE)}, got {args.recompute!r}"
+        )
+    return Constraints(
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        zero=args.zero,
+        micro_batch=args.micro_batch,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        sequence_parallel=args.sequence_parallel,
+        tp_objective=args.tp_objective,
+        recompute=allowed,
+        **extra,
+    )
+
+
+def read_plan(path: str) -> Plan:
+    """A plan file written by `autopar plan --out`; anything else is a one-line user error."""
+    try:
+        with open(path) as f:
+            return Plan.from_json(f.read())
+    except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError, AutoparError) as e:
+        raise AutoparError(f"can't read plan {path!r}: {e}") from None
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never half-written."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise AutoparError(f"can't write {path!r}: {e.strerror or e}") from None
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def progress(args: argparse.Namespace, message: str) -> None:
+    """A progress line on stderr, for people at a terminal (never in --json or piped runs)."""
+    if not args.json and sys.stderr.isatty():
+        Console(stderr=True).print(f"[dim]{message}[/dim]")
+
+
+def count(n: float) -> str:
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {suffix}"
+    return f"{n:.0f}"

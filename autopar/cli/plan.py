@@ -1,0 +1,168 @@
+"""``autopar plan``: the fastest predicted plan that fits, and why (runners-up, hand baselines)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.cli.common import (
+    CLUSTER_HELP,
+    DTYPES,
+    MODEL_HELP,
+    add_constraint_flags,
+    add_json_flag,
+    add_measured_flags,
+    constraints_from_args,
+    positive,
+    print_json,
+    progress,
+    write_atomic,
+)
+from autopar.plan import Plan
+from autopar.units import format_bytes
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="find the fastest predicted plan that fits, and say why")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--cluster", required=True, help=CLUSTER_HELP)
+    p.add_argument("--nodes", type=positive, default=None, help="number of nodes (default 1)")
+    p.add_argument("--global-batch", type=positive, required=True, help="sequences per step")
+    p.add_argument("--seq", type=positive, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--top", type=positive, default=5, help="runners-up to show (default 5)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit in seconds (default 10)")
+    p.add_argument("--out", default=None, help="write the plan as JSON to this file")
+    add_json_flag(p, "tables")
+    add_measured_flags(p)
+    g = p.add_argument_group("constraints (default: free)")
+    add_constraint_flags(g)
+    g.add_argument("--memory-cap-gib", type=float, default=None, help="plan for at most this memory per GPU")
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> None:
+    from autopar.cluster import Cluster
+    from autopar.planner import ModelProfiles, make_plan
+    from autopar.request import PlanRequest
+    from autopar.zoo.spec import resolve
+
+    cluster = Cluster.load(args.cluster, nodes=args.nodes).from_profile(compute=args.profile, comm=args.comm)
+    request = PlanRequest(
+        model=args.model,
+        cluster=cluster,
+        global_batch=args.global_batch,
+        seq=args.seq or resolve(args.model, dtype=args.dtype).default_seq,
+        dtype=args.dtype,
+        constraints=constraints_from_args(
+            args, memory_cap_bytes=args.memory_cap_gib * 2**30 if args.memory_cap_gib else None
+        ),
+        top_k=args.top,
+        time_limit_s=args.time_limit,
+    )
+    progress(args, f"capturing {args.model} at seq {request.seq} …")
+    profiles = ModelProfiles.of(args.model, dtype=args.dtype, seq=request.seq)
+    profiles.at(1), profiles.at(2)  # the two captures every micro-batch size is derived from
+    progress(args, "planning …")
+    result = make_plan(request, profiles)
+    plan = result.plan
+    if args.out:
+        write_atomic(args.out, plan.to_json())
+    best = plan.predicted["step_time_s"]
+    alternatives = [c.to_dict(best) for c in result.alternatives]
+    baselines = {k: (c.to_dict(best) if c else None) for k, c in result.baselines.items()}
+    if args.json:
+        print_json(
+            {
+                "model": args.model,
+                "cluster": cluster.name,
+                "nodes": cluster.num_nodes,
+                "plan": plan.to_dict(),
+                "hash": plan.hash,
+                "predicted": plan.predicted,
+                "alternatives": alternatives,
+                "baselines": baselines,
+                "solve_time_s": result.solve_time_s,
+                "optimality_gap": plan.optimality_gap,
+                "ilps_solved": result.ilps_solved,
+                "outer_candidates": result.outer_candidates,
+            }
+        )
+        return
+    _print_plan(console, plan)
+    console.print(
+        f"solved in {result.solve_time_s:.2f} s: {result.ilps_solved} layout ILPs over "
+        f"{result.outer_candidates} outer choices; proven gap {100 * plan.optimality_gap:.2f}%"
+    )
+    _print_why(console, alternatives, baselines)
+    if args.out:
+        console.print(f"[dim]plan written to {args.out}[/dim]")
+
+
+def _print_plan(console: Console, plan: Plan) -> None:
+    """The plan's text lines, its stages with time and memory, and the predicted throughput."""
+    pred = plan.predicted
+    lines = plan.text().splitlines()
+    console.print(lines[0])
+    console.print(lines[1])
+    for line in lines:  # per-operator tensor-parallel strategies of each block type
+        if line.startswith("tensor parallel "):
+            console.print(line)
+    table = Table(title="stages", show_edge=False, title_justify="left")
+    cols = ("stage", "layers", "recompute", "time/micro-batch", "of which TP comm")
+    for col in (*cols, "states", "activations", "other", "peak"):
+        table.add_column(col, justify="left" if col in ("layers", "recompute") else "right")
+    capacity = format_bytes(pred["memory_capacity_bytes"])
+    for s, mem in zip(plan.stages, pred["memory"], strict=True):
+        states = mem["weights"] + mem["gradients"] + mem["optimizer"]
+        other = mem["loss"] + mem["comm_buffers"] + mem["reserve"]
+        table.add_row(
+            str(s.index),
+            f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})",
+            s.recompute_summary,
+            f"{1e3 * s.time_per_micro_batch_s:.1f} ms",
+            f"{1e3 * s.comm_per_micro_batch_s:.1f} ms",
+            format_bytes(states),
+            format_bytes(mem["activations"]),
+            format_bytes(other),
+            f"{format_bytes(mem['peak_bytes'])} / {capacity}",
+        )
+    console.print(table)
+    console.print(
+        f"predicted: {pred['step_time_s']:.3f} s/step · {pred['tokens_per_s']:,.0f} tokens/s · "
+        f"{pred['tflops_per_gpu']:.1f} TFLOP/s per GPU (MFU {100 * pred['mfu']:.1f}%, "
+        f"HFU {100 * pred['hfu']:.1f}%)"
+    )
+    for note in pred.get("notes", []):
+        console.print(f"[dim]note: {note}[/dim]")
+
+
+def _print_why(console: Console, alternatives: list[dict[str, Any]], baselines: dict[str, Any]) -> None:
+    """Runners-up and hand baselines against the chosen plan (``Candidate.to_dict`` rows)."""
+    why = Table(
+        title="why this plan: runners-up and baselines (same cost model)",
+        show_edge=False,
+        title_justify="left",
+    )
+    for col in ("", "tp", "pp", "dp", "zero", "micro-batch", "schedule", "step s", "vs chosen"):
+        why.add_column(col, justify="left" if col in ("", "schedule") else "right")
+
+    def row(label: str, c: dict[str, Any] | None) -> None:
+        if c is None:
+            why.add_row(label, *["-"] * 6, "does not fit", "")
+            return
+        st = c["strategy"]
+        sched = st["schedule"] + (f" v={st['virtual_stages']}" if st["virtual_stages"] > 1 else "")
+        degrees = (str(st[k]) for k in ("tp", "pp", "dp", "zero", "micro_batch"))
+        why.add_row(label, *degrees, sched, f"{c['step_time_s']:.3f}", f"{c['slower_by']:.2f}× slower")
+
+    for i, c in enumerate(alternatives, 1):
+        row(f"runner-up {i}", c)
+    for name, c in baselines.items():
+        row(name, c)
+    console.print(why)
+
+
+__all__ = ["add_parser", "cmd_plan"]

@@ -1,0 +1,185 @@
+"""From a planning request to a ``Plan`` with its evidence: search, then wrap the best
+candidate as a Plan keyed by layer names (with its per-operator TP table), and price the hand
+baselines by the same cost model."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from autopar.cluster import Cluster
+from autopar.cost_models.estimate import stage_layer_names
+from autopar.cost_models.terms import rank_load
+from autopar.errors import InfeasibleError
+from autopar.plan import Plan, StagePlan, validate_plan
+from autopar.planner.pricing import Pricer
+from autopar.planner.profiles import ModelProfiles
+from autopar.planner.search import Candidate, search
+from autopar.planner.tp_layouts import tp_tables
+from autopar.request import Constraints, PlanRequest
+from autopar.strategy import Strategy, StrategyError
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanResult:
+    """The plan and the evidence for it."""
+
+    plan: Plan
+    alternatives: tuple[Candidate, ...]
+    """Runners-up with other outer knobs, best first."""
+    baselines: dict[str, Candidate | None]
+    """Named hand strategies under the same cost model (None where it does not fit)."""
+    solve_time_s: float
+    ilps_solved: int
+    outer_candidates: int
+
+
+def make_plan(request: PlanRequest, profiles: ModelProfiles | None = None) -> PlanResult:
+    """Search, then wrap the best candidate as a Plan with runners-up and baselines.
+    ``profiles``: the model's (default: captured here from ``request.model``).
+
+    Raises ``InfeasibleError`` when no plan fits, naming the leanest plan tried,
+    the memory it would need and the knobs that would help.
+    """
+    start = time.perf_counter()
+    profiles = profiles or ModelProfiles.of(request.model, dtype=request.dtype, seq=request.seq)
+    base = profiles.base
+    check_constraints(request.constraints, request.cluster, blocks=base.blocks, heads=base.heads)
+    pricer = Pricer(
+        profiles, request.cluster, dtype=request.dtype, reserve_bytes=request.constraints.reserve_bytes
+    )
+    res = search(request, pricer)
+    if not res.found:
+        raise _infeasible(request, res.leanest)
+    best = replace(res.found[0], gap=res.gap)
+    plan = to_plan(request.model_name, pricer, best, time.perf_counter() - start)
+    validate_plan(
+        plan, world_size=request.cluster.world_size, blocks=base.blocks, capacity_bytes=request.capacity_bytes
+    )
+    return PlanResult(
+        plan=plan,
+        alternatives=tuple(res.found[1:]),
+        baselines=baselines(request, pricer),
+        solve_time_s=time.perf_counter() - start,
+        ilps_solved=res.ilps,
+        outer_candidates=res.outer,
+    )
+
+
+def baselines(request: PlanRequest, pricer: Pricer) -> dict[str, Candidate | None]:
+    """Named hand strategies priced by the same cost model (None where nothing fits):
+
+    - ``zero3 data parallel``: every GPU a data-parallel rank, ZeRO-3, full recompute;
+    - ``tp=gpus/node, pp across nodes``: TP over a node's GPUs with sequence parallelism,
+      the fewest pipeline stages that fit (even split, full recompute), DP for the rest.
+    """
+    prof = pricer.profiles.base
+    world, gpn = request.cluster.world_size, request.cluster.gpus_per_node
+    batch, seq, dtype = request.global_batch, request.seq, request.dtype
+
+    def fitting(st: Strategy) -> Candidate | None:
+        est = pricer.estimate(st)
+        fits = all(mm.peak_bytes <= request.capacity_bytes for mm in est.memory)
+        return Candidate(strategy=st, estimate=est, gap=0.0) if fits else None
+
+    out: dict[str, Candidate | None] = {"zero3 data parallel": None, "tp=gpus/node, pp across nodes": None}
+    if batch % world == 0:
+        z3 = Strategy(dp=world, zero=3, global_batch=batch, seq=seq, recompute="full", dtype=dtype)
+        out["zero3 data parallel"] = fitting(z3)
+    tp = max(t for t in _divisors(gpn) if prof.heads is None or prof.heads % t == 0)
+    for pp in _divisors(world // tp):
+        dp = world // (tp * pp)
+        if pp > prof.blocks or batch % dp:
+            continue
+        st = Strategy(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            global_batch=batch,
+            seq=seq,
+            recompute="full",
+            sequence_parallel=tp > 1,
+            dtype=dtype,
+        )
+        out["tp=gpus/node, pp across nodes"] = found = fitting(st)
+        if found is not None:
+            break
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) -> Plan:
+    """Wrap a candidate as a Plan keyed by layer names; its per-operator TP table is solved on
+    the graph captured at exactly the plan's micro-batch."""
+    st, est = cand.strategy, cand.estimate
+    profile, cluster = pricer.profiles.at(st.micro_batch), pricer.cluster
+    terms = pricer.terms(st)
+    counts = st.blocks_per_rank(profile.blocks)
+    edge = (profile.layer_names[0], profile.layer_names[-1])
+    stages = []
+    for k, layers in enumerate(stage_layer_names(profile, st)):
+        load = rank_load(terms, k, counts[k])
+        blocks = [x for x in layers if x not in edge]
+        none, sel, full = counts[k]
+        choice = ["full"] * full + ["selective"] * sel + ["none"] * none
+        stages.append(
+            StagePlan(
+                index=k,
+                layers=tuple(layers),
+                recompute=tuple(zip(blocks, choice, strict=True)),
+                peak_bytes=est.memory[k].peak_bytes,
+                time_per_micro_batch_s=load.time_s,
+                comm_per_micro_batch_s=load.tp_s,
+            )
+        )
+    return Plan(
+        model=model,
+        cluster=cluster.to_dict(),
+        strategy=st,
+        mesh=(("pp", st.pp), ("dp", st.dp), ("tp", st.tp)),
+        crosses_nodes=_crosses_nodes(st, cluster.gpus_per_node),
+        stages=tuple(stages),
+        predicted=est.to_dict(),
+        solve_time_s=solve_time_s,
+        optimality_gap=cand.gap,
+        tensor_parallel=tp_tables(pricer.profiles.captured(st.micro_batch), cluster, st, heads=profile.heads)
+        if st.tp > 1
+        else (),
+    )
+
+
+def _crosses_nodes(st: Strategy, gpus_per_node: int) -> tuple[str, ...]:
+    """Mesh axes (pp, dp, tp; TP innermost) whose groups span more than one node."""
+    axes = (("pp", st.pp, st.tp * st.dp), ("dp", st.dp, st.tp), ("tp", st.tp, 1))
+    return tuple(name for name, size, stride in axes if size > 1 and size * stride > gpus_per_node)
+
+
+def _infeasible(request: PlanRequest, leanest: list[tuple[float, Strategy]]) -> InfeasibleError:
+    if not leanest:
+        return InfeasibleError("no strategy satisfies the constraints; loosen --tp/--pp/--dp/--micro-batch")
+    need, st = leanest[0]
+    return InfeasibleError(
+        f"no plan fits in {request.capacity_bytes / 2**30:.1f} GiB per GPU: the leanest tried (tp {st.tp}, "
+        f"pp {st.pp}, dp {st.dp}, ZeRO-{st.zero}, micro-batch {st.micro_batch}, recompute {st.recompute}) "
+        f"needs {need / 2**30:.1f} GiB; add GPUs (--nodes), use a shorter --seq, or allow ZeRO-3, full "
+        "recompute and micro-batch 1"
+    )
+
+
+def check_constraints(c: Constraints, cluster: Cluster, *, blocks: int, heads: int | None) -> None:
+    """Reject fixed degrees that can never work, before searching."""
+    if c.tp and heads is not None and heads % c.tp:
+        raise StrategyError(f"tp={c.tp} does not divide {heads} heads")
+    fixed = (c.tp or 1) * (c.pp or 1) * (c.dp or 1)
+    if cluster.world_size % fixed:
+        raise StrategyError(
+            f"the fixed degrees multiply to {fixed}, which does not divide {cluster.world_size} GPUs"
+        )
+    if c.pp and c.pp > blocks:
+        raise StrategyError(f"pp={c.pp} exceeds the model's {blocks} layers")
+
+
+__all__ = ["PlanResult", "baselines", "check_constraints", "make_plan", "to_plan"]

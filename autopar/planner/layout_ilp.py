@@ -1,0 +1,186 @@
+"""The inner problem of the planner: an ILP over how many blocks each pipeline rank holds
+and which of them recompute, for one choice of the outer knobs.
+
+Blocks are identical, so a layout is p × 3 integer counts (none, selective,
+full per rank), not L × p binaries: the problem size does not grow with the
+number of layers. The objective and every constraint are ``cost_models.terms``
+verbatim (labels name the cost-model term), so the ILP's optimum is the best
+layout's estimate. Solved with PuLP + HiGHS (CBC if HiGHS is missing);
+``sol_status`` is checked, not ``LpStatus``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pulp
+
+from autopar.cost_models.terms import Terms
+from autopar.planner.solver import mip_solver, solve
+
+MIP_GAP = 1e-6
+"""Relative optimality gap each layout ILP must prove (unless its time limit runs out first)."""
+
+
+def max_blocks(terms: Terms, rank: int, capacity: float, recompute: str) -> int:
+    """Most blocks rank ``rank`` can hold if all of them use ``recompute`` (memory constraint
+    of the ILP solved for one rank). Mixing choices never holds more than the leanest one."""
+    st, u = terms.strategy, terms.block[recompute]
+    fixed = terms.buffers[rank] + terms.reserve_bytes
+    for edge, here in ((terms.embed, rank == 0), (terms.head, rank == st.pp - 1)):
+        if here:
+            fixed += edge.params * terms.state_bytes_per_param + terms.inflight[rank] * edge.act_bytes
+    if rank == st.pp - 1:
+        fixed += terms.loss_bytes
+    if recompute == "full":
+        fixed += u.act_full_bytes
+    per_block = u.params * terms.state_bytes_per_param + terms.inflight[rank] * u.act_bytes
+    return max(0, math.floor((capacity - fixed) / per_block)) if per_block > 0 else 10**9
+
+
+def fits_somehow(terms: Terms, blocks: int, capacity: float, allowed: tuple[str, ...]) -> bool:
+    """Exact feasibility of the layout ILP: ranks are independent but for Σ blocks = L."""
+    st = terms.strategy
+    caps = [max(max_blocks(terms, k, capacity, r) for r in allowed) for k in range(st.pp)]
+    if st.virtual_stages > 1:
+        return all(c >= blocks // st.pp for c in caps)
+    return all(c >= 1 for c in caps) and sum(min(c, blocks) for c in caps) >= blocks
+
+
+class LayoutILP:
+    """The layout ILP of one outer choice: ``n[k, r]`` blocks on rank k with recompute r."""
+
+    def __init__(self, terms: Terms, *, blocks: int, capacity: float, allowed: tuple[str, ...]) -> None:
+        st = self.strategy = terms.strategy
+        self.terms, self.blocks, self.capacity = terms, blocks, capacity
+        # Selective recompute of a model whose attention keeps nothing quadratic (flash) is the
+        # same as none: drop the duplicate when none is allowed too.
+        same = terms.block["selective"] == terms.block["none"]
+        self.choices = [r for r in allowed if not (r == "selective" and same and "none" in allowed)]
+        self.prob = pulp.LpProblem("layout", pulp.LpMinimize)
+        # Tight bounds from each rank's memory alone (max_blocks) make the relaxation much stronger.
+        self.upper = {
+            (k, r): min(blocks, max_blocks(terms, k, capacity, r)) for k in range(st.pp) for r in self.choices
+        }
+        self.n = {
+            (k, r): pulp.LpVariable(f"n_{k}_{r}", lowBound=0, upBound=self.upper[k, r], cat="Integer")
+            for (k, r) in self.upper
+        }
+        self.has_full = (
+            {k: pulp.LpVariable(f"full_{k}", cat="Binary") for k in range(st.pp)}
+            if "full" in self.choices
+            else {}
+        )
+        self.slowest = pulp.LpVariable("T_slowest_stage_s", lowBound=0)
+        self.dp_time = pulp.LpVariable("dp_exposed_s", lowBound=0)
+        self.opt_time = pulp.LpVariable("optimizer_s", lowBound=0)
+        # Units: time in one block's micro-batch time, memory as a fraction of capacity, so that
+        # HiGHS's absolute tolerances (1e-7) are small against every quantity.
+        self.ts, self.ms = 1.0 / terms.block["none"].time_s, 1.0 / capacity
+        rounds = st.micro_batches + (st.pp - 1) / st.virtual_stages
+        self.prob += (
+            rounds * self.slowest + self.dp_time + self.opt_time + rounds * terms.p2p_s * self.ts,
+            "step_time_s",
+        )
+        self.prob += pulp.lpSum(self.n.values()) == blocks, "every_block_placed"
+        for k in range(st.pp):
+            self.add_rank(k)
+
+    def lin(self, k: int, attr: str, scale: float = 1.0) -> pulp.LpAffineExpression:
+        """Σ over rank k's blocks (and its embedding / head) of one ``Unit`` attribute."""
+        t, p = self.terms, self.strategy.pp
+        fixed = [u for u, here in ((t.embed, k == 0), (t.head, k == p - 1)) if here]
+        return pulp.lpSum(scale * getattr(t.block[r], attr) * self.n[k, r] for r in self.choices) + sum(
+            scale * getattr(u, attr) for u in fixed
+        )
+
+    def add_rank(self, k: int) -> None:
+        """Rank k's stage time, memory and optimizer constraints, then its DP exposure."""
+        terms, st, ts, ms = self.terms, self.strategy, self.ts, self.ms
+        p = st.pp
+        count = pulp.lpSum(self.n[k, r] for r in self.choices)
+        if st.virtual_stages > 1:
+            self.prob += count == self.blocks // p, f"interleaved_equal_chunks_{k}"
+        else:
+            self.prob += count >= 1, f"stage_non_empty_{k}"
+        params_k = self.lin(k, "params")
+        # compute + recompute + TP comm of one micro-batch on this rank
+        self.prob += self.slowest >= self.lin(k, "time_s", ts), f"stage_time_{k}"
+        # model states + in-flight activations + rematerialised layer + loss + buffers + reserve
+        memory_k = params_k * terms.state_bytes_per_param * ms + terms.inflight[k] * self.lin(
+            k, "act_bytes", ms
+        )
+        if self.has_full:
+            memory_k += self.has_full[k] * terms.block["full"].act_full_bytes * ms
+            self.prob += (
+                self.n[k, "full"] <= self.upper[k, "full"] * self.has_full[k],
+                f"full_recompute_flag_{k}",
+            )
+        fixed_mem = terms.buffers[k] + terms.reserve_bytes + (terms.loss_bytes if k == p - 1 else 0.0)
+        self.prob += memory_k + fixed_mem * ms <= 1.0, f"memory_{k}"
+        self.prob += self.opt_time >= params_k * terms.opt_s_per_param * ts, f"optimizer_{k}"
+        if st.dp > 1:
+            layers_k = count + int(k == 0) + int(k == p - 1)
+            self.add_dp_exposure(k, params_k, layers_k)
+
+    def add_dp_exposure(
+        self, k: int, params_k: pulp.LpAffineExpression, layers_k: pulp.LpAffineExpression
+    ) -> None:
+        """The DP/ZeRO collectives of rank k that compute does not hide (``terms.dp_exposed_s``)."""
+        terms, st, ts = self.terms, self.strategy, self.ts
+        lat, spb, mb = terms.lat_s * ts, terms.s_per_byte * ts, st.micro_batches  # all-gather
+        rlat, rspb = terms.rs_lat_s * ts, terms.rs_s_per_byte * ts  # reduce-scatter
+        grad, weights = params_k * terms.grad_bytes, params_k * terms.weight_bytes
+        kappa = terms.overlap  # share of compute that hides DP collectives
+        bwd_k, fwd_k = self.lin(k, "bwd_s", ts), self.lin(k, "fwd_s", ts)
+        overlap = kappa * (bwd_k - terms.block["none"].bwd_s * ts)
+        hinge = pulp.LpVariable(f"dp_hidden_excess_{k}", lowBound=0)
+        if st.zero in (0, 1):  # DDP's gradient all-reduce beyond what backward hides
+            all_reduce = (terms.ar_lat_s + terms.ar_s_per_byte * grad) * ts
+            self.prob += hinge >= all_reduce - overlap, f"dp_allreduce_{k}"
+            self.prob += hinge >= terms.last_bucket_s * ts, f"ddp_last_bucket_{k}"
+            # ZeRO-1: + the updated shards' broadcast (an all-gather of the weights)
+            self.prob += (
+                self.dp_time >= hinge + (lat + spb * weights if st.zero == 1 else 0),
+                f"dp_exposed_{k}",
+            )
+        elif st.zero == 2:  # reduce-scatter beyond the overlap, per micro-batch + weight all-gather
+            rs = rspb * grad + layers_k * rlat
+            self.prob += hinge >= rs - overlap, f"zero_reduce_scatter_{k}"
+            self.prob += self.dp_time >= mb * hinge + lat + spb * weights, f"dp_exposed_{k}"
+        else:  # ZeRO-3: weight gathers beyond forward / backward compute, every micro-batch
+            full = "full" in self.choices
+            full_w = self.n[k, "full"] * terms.block["full"].params * terms.weight_bytes if full else 0
+            full_layers = self.n[k, "full"] if full else 0
+            gather_b = pulp.LpVariable(f"zero3_backward_excess_{k}", lowBound=0)
+            self.prob += hinge >= layers_k * lat + spb * weights - kappa * fwd_k, f"zero3_forward_gather_{k}"
+            backward = (
+                (layers_k + full_layers) * lat + spb * (weights + full_w) + layers_k * rlat + rspb * grad
+            )
+            self.prob += gather_b >= backward - kappa * bwd_k, f"zero3_backward_gather_reduce_{k}"
+            self.prob += self.dp_time >= mb * (hinge + gather_b), f"dp_exposed_{k}"
+
+    def layout(self) -> tuple[tuple[int, int, int], ...]:
+        """The solved (none, selective, full) counts per rank."""
+
+        def count(k: int, r: str) -> int:
+            return round(self.n[k, r].value()) if r in self.choices else 0
+
+        return tuple(
+            (count(k, "none"), count(k, "selective"), count(k, "full")) for k in range(self.strategy.pp)
+        )
+
+
+def solve_layout(
+    terms: Terms, *, blocks: int, capacity: float, allowed: tuple[str, ...], time_limit: float
+) -> tuple[tuple[tuple[int, int, int], ...], float] | None:
+    """The ILP over block counts per rank; returns (layout, proven gap) or None if nothing fits."""
+    ilp = LayoutILP(terms, blocks=blocks, capacity=capacity, allowed=allowed)
+    # Prove optimality to MIP_GAP relative (times are scaled to block units above).
+    if not solve(ilp.prob, mip_solver(time_limit_s=time_limit, gap_rel=MIP_GAP)):
+        return None
+    gap = 0.0
+    model = getattr(ilp.prob, "solverModel", None)
+    if model is not None and ilp.prob.sol_status != pulp.LpSolutionOptimal:
+        gap = float(model.getInfo().mip_gap)
+    return ilp.layout(), gap

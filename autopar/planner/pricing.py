@@ -1,0 +1,46 @@
+"""One model on one cluster, priced: the path every estimate takes (the search, its
+baselines, ``autopar estimate`` and the benchmarks), tensor parallelism priced by the
+per-operator choice at its width (``tp_layouts``)."""
+
+from __future__ import annotations
+
+from autopar.cluster import Cluster
+from autopar.cost_models.estimate import Estimate, estimate
+from autopar.cost_models.terms import Terms, Units, build_terms, layer_units
+from autopar.planner.profiles import ModelProfiles
+from autopar.planner.tp_layouts import TPLayouts
+from autopar.strategy import Strategy
+
+
+class Pricer:
+    """``estimate(strategy)`` and the linear ``terms(strategy)`` the layout ILP solves over, for
+    one model (its ``ModelProfiles``) on one cluster; the per-layer units of each (tp, sp, TP
+    objective, micro-batch) are built once."""
+
+    def __init__(
+        self, profiles: ModelProfiles, cluster: Cluster, *, dtype: str, reserve_bytes: float | None = None
+    ) -> None:
+        self.profiles, self.cluster, self.reserve_bytes = profiles, cluster, reserve_bytes
+        self.layouts = TPLayouts(profiles, cluster, dtype)
+        self._units: dict[tuple[int, bool, str, int], Units] = {}
+
+    def estimate(self, st: Strategy) -> Estimate:
+        """The cost model's estimate of ``st`` (its layout, or an even split)."""
+        return estimate(
+            self.profiles.at(st.micro_batch),
+            self.cluster,
+            st,
+            reserve_bytes=self.reserve_bytes,
+            tp_layout=self.layouts(st),
+        )
+
+    def terms(self, st: Strategy) -> Terms:
+        """The linear terms of ``st``'s outer knobs (``cost_models.terms``)."""
+        prof = self.profiles.at(st.micro_batch)
+        key = (st.tp, st.sequence_parallel, st.tp_objective, st.micro_batch)
+        if key not in self._units:
+            self._units[key] = layer_units(prof, self.cluster, st, self.layouts(st))
+        return build_terms(prof, self.cluster, st, units=self._units[key], reserve_bytes=self.reserve_bytes)
+
+
+__all__ = ["Pricer"]

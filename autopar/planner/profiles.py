@@ -1,0 +1,71 @@
+"""A model's cost profiles at every micro-batch size, from two captures.
+
+``ModelProfiles.of(model, dtype=, seq=)`` captures the model on fake tensors at micro-batch 1
+and 2 and extends them exactly to any other size (``cost_models.profile.at_micro_batch``:
+every quantity is affine in the micro-batch). ``captured(b)`` is the graph captured at exactly
+b, for the per-operator TP table of the final plan (shape constants in the graph depend on b).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+
+from torch import nn
+
+from autopar.cost_models.profile import ModelProfile, at_micro_batch
+from autopar.graph import CapturedModel, capture
+from autopar.zoo.spec import resolve
+
+
+@lru_cache(maxsize=32)
+def _spec_profile(spec: str, dtype: str, micro_batch: int, seq: int) -> ModelProfile:
+    """A MODEL spec always builds the same model: its captures are kept for the process (a
+    what-if loop or a test suite plans the same zoo model many times)."""
+    return ModelProfile.from_captured(capture(resolve(spec, dtype=dtype).module, batch=micro_batch, seq=seq))
+
+
+class ModelProfiles:
+    """micro-batch → ``ModelProfile``, and micro-batch → the graph captured at exactly it."""
+
+    def __init__(self, profile_at: Callable[[int], ModelProfile]) -> None:
+        """``profile_at(b)``: the profile captured at micro-batch b (called for 1, 2 and the
+        sizes a plan's TP table needs; each at most once)."""
+        self._captured: dict[int, ModelProfile] = {}
+        self._derived: dict[int, ModelProfile] = {}
+        self._profile_at = profile_at
+
+    @classmethod
+    def of(cls, model: str | nn.Module, *, dtype: str, seq: int) -> ModelProfiles:
+        """Profiles of a MODEL spec (captures cached per process) or of a module (captured here,
+        on fake tensors: its weights are never read)."""
+        if isinstance(model, str):
+            return cls(lambda b: _spec_profile(model, dtype, b, seq))
+        return cls(lambda b: ModelProfile.from_captured(capture(model, batch=b, seq=seq)))
+
+    def _exactly(self, micro_batch: int) -> ModelProfile:
+        if micro_batch not in self._captured:
+            self._captured[micro_batch] = self._profile_at(micro_batch)
+        return self._captured[micro_batch]
+
+    def at(self, micro_batch: int) -> ModelProfile:
+        """The profile at ``micro_batch``: captured at 1 and 2, derived exactly for the others."""
+        if micro_batch <= 2:
+            return self._exactly(micro_batch)
+        if micro_batch not in self._derived:
+            self._derived[micro_batch] = at_micro_batch(self._exactly(1), self._exactly(2), micro_batch)
+        return self._derived[micro_batch]
+
+    def captured(self, micro_batch: int) -> CapturedModel:
+        """The graph captured at exactly ``micro_batch``."""
+        cap = self._exactly(micro_batch).captured
+        assert cap is not None, "profiles made by ModelProfile.from_captured keep their graph"
+        return cap
+
+    @property
+    def base(self) -> ModelProfile:
+        """The profile at micro-batch 1 (layer names, blocks, heads, vocabulary)."""
+        return self.at(1)
+
+
+__all__ = ["ModelProfiles"]

@@ -1,0 +1,305 @@
+"""The search: the fastest predicted plan that fits, found by enumeration + one small ILP each.
+
+Outer knobs (tp, pp, dp, micro-batch, schedule/v, sequence parallelism, ZeRO)
+are few and discrete, so they are enumerated; the inner problem — how many
+blocks each pipeline rank holds and which of them recompute (none, selective,
+full) — is an integer program over counts (identical blocks are
+interchangeable, so a layout is p × 3 integers, not L × p binaries), solved
+with PuLP + HiGHS (CBC if HiGHS is missing). Its objective and constraints are
+``cost_models.terms`` verbatim, so a layout's ILP value equals its estimate.
+
+Outer candidates whose memory can hold no layout at all are dropped (an exact
+per-rank check); the rest are visited best lower bound first — perfect stage
+balance, only the recompute memory forces, the DP exposure of an average rank
+(a max of convex hinges is at least the hinge of the average) — and the search
+stops once no bound can beat the best plan found: branch and bound over the
+enumeration. An outer choice whose even split attains its bound needs no ILP.
+With tp > 1 the per-operator TP choice (``tp_layouts``) prices each width
+with and without sequence parallelism, and, where they differ, with its
+fastest and its leanest layout: the per-operator ILP trades time for memory,
+the outer search knows which side of that trade a plan needs. GPipe is never
+faster than 1F1B under the cost model but holds more activations, so it is
+tried only on request.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from autopar.cluster import Cluster
+from autopar.cost_models.estimate import Estimate
+from autopar.cost_models.terms import (
+    RankLoad,
+    Terms,
+    dp_exposed_s,
+)
+from autopar.planner.layout_ilp import fits_somehow, max_blocks, solve_layout
+from autopar.planner.pricing import Pricer
+from autopar.request import Constraints, PlanRequest
+from autopar.strategy import Strategy
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """An evaluated outer choice with its best layout."""
+
+    strategy: Strategy
+    estimate: Estimate
+    gap: float
+
+    def to_dict(self, best_s: float) -> dict[str, Any]:
+        """JSON-ready: the strategy (``Strategy.to_dict``, as in a Plan) and its predicted step
+        against ``best_s``, the chosen plan's."""
+        est = self.estimate
+        return {
+            "strategy": self.strategy.to_dict(),
+            "step_time_s": est.step_time_s,
+            "tflops_per_gpu": est.tflops_per_gpu,
+            "fits": est.fits,
+            "slower_by": est.step_time_s / best_s,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    """What the branch and bound found."""
+
+    found: list[Candidate]
+    ilps: int
+    outer: int
+    gap: float
+    leanest: list[tuple[float, Strategy]]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _degrees(request: PlanRequest, blocks: int, heads: int | None) -> list[tuple[int, int, int]]:
+    """(tp, pp, dp) choices: TP inside a node dividing the heads, every PP that fits the blocks,
+    DP for the rest dividing the batch, as the constraints allow."""
+    c, world, gpn = request.constraints, request.cluster.world_size, request.cluster.gpus_per_node
+    tps = (
+        [c.tp]
+        if c.tp
+        else [t for t in _divisors(gpn) if world % t == 0 and (heads is None or heads % t == 0)]
+    )
+    out = []
+    for tp in tps:
+        for pp in [c.pp] if c.pp else _divisors(world // tp):
+            if pp > blocks or world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if (c.dp and dp != c.dp) or request.global_batch % dp:
+                continue
+            out.append((tp, pp, dp))
+    return out
+
+
+def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages): 1F1B, GPipe on request, interleaved where the blocks split
+    into pp·v equal chunks and the micro-batches into rounds of pp."""
+    out: list[tuple[str, int]] = []
+    if c.schedule in (None, "1f1b"):
+        out.append(("1f1b", 1))
+    if c.schedule == "gpipe":
+        out.append(("gpipe", 1))
+    if c.schedule in (None, "interleaved") and pp > 1 and micro_batches % pp == 0:
+        for v in [c.virtual_stages] if c.virtual_stages else [2, 3, 4, 6, 8]:
+            if v and v > 1 and blocks % (pp * v) == 0:
+                out.append(("interleaved", v))
+    return out
+
+
+def outer_strategies(request: PlanRequest, *, blocks: int, heads: int | None) -> list[Strategy]:
+    """Every outer choice allowed by the model, the cluster and the constraints."""
+    c = request.constraints
+    out = []
+    for tp, pp, dp in _degrees(request, blocks, heads):
+        per_replica = request.global_batch // dp
+        # both where tp > 1: the per-operator layouts with and without SP issue different collectives
+        sps = (
+            [c.sequence_parallel]
+            if c.sequence_parallel is not None
+            else ([False, True] if tp > 1 else [False])
+        )
+        zeros = [c.zero] if c.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+        for b in [c.micro_batch] if c.micro_batch else _divisors(per_replica):
+            if b > c.max_micro_batch or per_replica % b:
+                continue
+            schedules = _schedules(c, pp=pp, micro_batches=per_replica // b, blocks=blocks)
+            for (schedule, v), sp, zero in ((s, sp, z) for s in schedules for sp in sps for z in zeros):
+                if sp and tp == 1:
+                    continue
+                out.append(
+                    Strategy(
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        zero=zero,
+                        micro_batch=b,
+                        global_batch=request.global_batch,
+                        seq=request.seq,
+                        schedule=schedule,
+                        virtual_stages=v,
+                        sequence_parallel=sp,
+                        dtype=request.dtype,
+                        tp_objective=c.tp_objective or "time",
+                    )
+                )
+    return measured_first(request.cluster, out)
+
+
+def measured_first(cluster: Cluster, strategies: list[Strategy]) -> list[Strategy]:
+    """With a measured compute profile, only the micro-batch sizes and TP widths it measured:
+    the roofline that prices the others is optimistic or pessimistic by an unknown factor, and
+    the search would favour whichever it flatters. All of them when none was measured (a
+    constraint fixed an unmeasured knob: the estimate then says the roofline was used)."""
+    measured = cluster.compute_profile
+    if measured is None:
+        return strategies
+    kept = [
+        s
+        for s in strategies
+        if measured.covers(
+            micro_batch=s.micro_batch, seq=s.seq, tp=s.tp, sp=s.sequence_parallel, dtype=s.dtype
+        )
+    ]
+    return kept or strategies
+
+
+def lower_bound_s(
+    terms: Terms, blocks: int, capacity: float = math.inf, allowed: tuple[str, ...] = ("none",)
+) -> float:
+    """A bound no layout beats: perfect balance, no DP traffic, and only as much recompute as
+    memory forces (blocks that no rank can hold without it pay the cheapest recompute)."""
+    st = terms.strategy
+    u = terms.block["none"]
+    without = sum(min(max_blocks(terms, k, capacity, "none"), blocks) for k in range(st.pp))
+    forced = max(0, blocks - without) if "none" in allowed else blocks
+    extras = [terms.block[r].time_s - u.time_s for r in allowed if r != "none"]
+    total = (
+        blocks * u.time_s + forced * (min(extras) if extras else 0.0) + terms.embed.time_s + terms.head.time_s
+    )
+    per_rank = max(total / st.pp, terms.embed.time_s, terms.head.time_s, u.time_s)
+    params = blocks * u.params + terms.embed.params + terms.head.params
+    # DP/ZeRO exposure is a max over ranks of convex hinges: at least that of the average rank,
+    # taken with every block's backward as long as allowed (most overlap) and no re-gathering.
+    longest = max((terms.block[r] for r in allowed), key=lambda x: x.bwd_s)
+    edges = (terms.embed, terms.head)
+    average = RankLoad(
+        fwd_s=(blocks * u.fwd_s + sum(e.fwd_s for e in edges)) / st.pp,
+        bwd_compute_s=(blocks * u.bwd_compute_s + sum(e.bwd_compute_s for e in edges)) / st.pp,
+        recompute_s=0.0,
+        tp_s=0.0,
+        bwd_s=(blocks * longest.bwd_s + sum(e.bwd_s for e in edges)) / st.pp,
+        params=params / st.pp,
+        full_params=0.0,
+        layers=(blocks + 2) // st.pp,
+        full_layers=0,
+        act_bytes=0.0,
+        has_full=False,
+    )
+    rounds = st.micro_batches + (st.pp - 1) / st.virtual_stages
+    return (
+        rounds * (per_rank + terms.p2p_s)
+        + params / st.pp * terms.opt_s_per_param
+        + dp_exposed_s(terms, average)
+    )
+
+
+def search(request: PlanRequest, pricer: Pricer) -> SearchResult:
+    """Branch and bound over outer strategies: the optimum first, then the best ``top_k``
+    runners-up met on the way (the search stops once no bound can beat the optimum).
+
+    Also returns how many ILPs ran, the number of outer candidates, the proven relative gap
+    of the best plan (nonzero only when an ILP ran out of time), and for infeasibility
+    reports the (peak memory, strategy) of the leanest layouts tried.
+    """
+    start = time.perf_counter()
+    c, base = request.constraints, pricer.profiles.base
+    capacity = request.capacity_bytes
+    strategies = outer_strategies(request, blocks=base.blocks, heads=base.heads)
+    if c.tp_objective is None:  # fastest and leanest TP layouts
+        strategies = [v for st in strategies for v in pricer.layouts.variants(st)]
+    infeasible: list[Strategy] = []
+    bounded = []
+    for st in strategies:
+        terms = pricer.terms(st)
+        if not fits_somehow(terms, base.blocks, capacity, c.recompute):
+            infeasible.append(st)
+            continue
+        bounded.append((lower_bound_s(terms, base.blocks, capacity, c.recompute), st, terms))
+    bounded.sort(key=lambda x: x[0])
+    found: list[Candidate] = []
+    proven: list[float] = []
+    ilps = 0
+    for bound, st, terms in bounded:
+        if found and bound >= found[0].estimate.step_time_s:
+            break  # no remaining outer choice can beat the best plan
+        cand = _even_split(pricer, st, bound, capacity, c.recompute, base.blocks)
+        if cand is None:
+            # Each ILP gets a slice of the budget; one that runs out reports its proven gap.
+            remaining = request.time_limit_s - (time.perf_counter() - start)
+            ilps += 1
+            cand = _best_layout(
+                pricer, terms, base.blocks, capacity, c.recompute, min(remaining, request.time_limit_s / 20)
+            )
+            proven.append(cand.estimate.step_time_s * (1 - cand.gap))  # no layout of it is faster
+        found.append(cand)
+        found.sort(key=lambda x: x.estimate.step_time_s)
+    best = found[0].estimate.step_time_s if found else math.inf
+    gap = max([0.0, *((best - lb) / best for lb in proven if lb < best)]) if found else 0.0
+    return SearchResult(
+        found=found[: request.top_k + 1],
+        ilps=ilps,
+        outer=len(strategies),
+        gap=gap,
+        leanest=[] if found else _leanest(pricer, infeasible, c.recompute),
+    )
+
+
+def _even_split(
+    pricer: Pricer, st: Strategy, bound: float, capacity: float, allowed: tuple[str, ...], blocks: int
+) -> Candidate | None:
+    """The even split without recompute, when it attains the outer choice's bound and fits (no
+    ILP needed); else None."""
+    even = pricer.estimate(st)  # no recompute
+    attains_bound = even.step_time_s <= bound * (1 + 1e-12) and "none" in allowed
+    if attains_bound and max(mm.peak_bytes for mm in even.memory) <= capacity:
+        return Candidate(
+            strategy=replace(st, layout=tuple(st.blocks_per_rank(blocks))), estimate=even, gap=0.0
+        )
+    return None
+
+
+def _best_layout(
+    pricer: Pricer, terms: Terms, blocks: int, capacity: float, allowed: tuple[str, ...], time_limit_s: float
+) -> Candidate:
+    """The layout ILP's optimum for the outer choice of ``terms`` (within ``time_limit_s``)."""
+    solved = solve_layout(
+        terms, blocks=blocks, capacity=capacity, allowed=allowed, time_limit=max(0.1, time_limit_s)
+    )
+    assert solved is not None, "fits_somehow said a layout exists"
+    layout, gap = solved
+    chosen = replace(terms.strategy, layout=layout, recompute="none")
+    return Candidate(strategy=chosen, estimate=pricer.estimate(chosen), gap=gap)
+
+
+def _leanest(
+    pricer: Pricer, infeasible: list[Strategy], allowed: tuple[str, ...]
+) -> list[tuple[float, Strategy]]:
+    """For the error message: (peak memory, strategy) of the leanest even split of each outer
+    choice, leanest first."""
+    leanest = []
+    for st in infeasible:
+        lean = replace(st, recompute="full" if "full" in allowed else st.recompute)
+        est = pricer.estimate(lean)
+        leanest.append((max(mm.peak_bytes for mm in est.memory), lean))
+    return sorted(leanest, key=lambda x: x[0])
+
+
+__all__ = ["Candidate", "SearchResult", "lower_bound_s", "outer_strategies", "search"]

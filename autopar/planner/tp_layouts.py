@@ -1,0 +1,173 @@
+"""What the per-operator TP choice (``tp_ilp``) means for a whole model and for the planner.
+
+``layer_choices`` runs one ``choose_layer`` ILP per block type and one for embedding and head;
+``cost_models.tp.layout_of`` prices such a choice for the outer cost model; ``tp_tables``
+writes it into the Plan; ``TPLayouts`` caches the layouts the planner's search prices, and
+offers the leanest layout as a second candidate where it differs from the fastest (the
+per-operator ILP trades time for memory; the outer search, which knows the memory of the whole
+plan, decides which side of that trade it needs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import fx
+
+from autopar.cluster import Cluster
+from autopar.cost_models.terms import TPLayout
+from autopar.cost_models.tp import LayerTP, layout_of
+from autopar.errors import AutoparError
+from autopar.graph import CapturedModel, Layer
+from autopar.passes.tp_graph import GraphIndex, index_graph, layer_nodes, op_keys
+from autopar.planner.profiles import ModelProfiles
+from autopar.planner.tp_ilp import choose_layer
+from autopar.strategy import Strategy
+
+
+def plan_table(
+    gm: fx.GraphModule, layer: int, prefix: str, choice: LayerTP
+) -> tuple[tuple[str, str, str], ...]:
+    """Every operator's choice as (op key, strategy, output placement) for the Plan. At run time
+    an operator the table doesn't name (a no-op traced only at another batch size) follows its
+    inputs (``tp_rules.propagate``)."""
+    nodes = layer_nodes(gm, layer)
+    keys = op_keys(nodes, prefix)
+    return tuple((keys[n.name], choice.strategies[n.name].name, choice.strategies[n.name].out) for n in nodes)
+
+
+def layer_choices(
+    cap: CapturedModel,
+    cluster: Cluster,
+    tp: int,
+    dtype: str,
+    *,
+    sp: bool = False,
+    objective: str = "time",
+    fastest: list[tuple[int, tuple[Layer, ...], LayerTP]] | None = None,
+    index: GraphIndex | None = None,
+) -> list[tuple[int, tuple[Layer, ...], LayerTP]]:
+    """Every ILP a model needs, as (times it runs per micro-batch, the layers one solve covers,
+    choice): one per block type (solved on its first block), and one for embedding and head
+    together (they may share a weight, which then takes one placement). ``fastest``: this
+    function's answer for ``time`` (``choose_layer`` may reuse it for ``memory``)."""
+    blocks: dict[str, list[Layer]] = {}
+    for layer in cap.layers[1:-1]:
+        blocks.setdefault(layer.type, []).append(layer)
+    index = index or index_graph(cap.gm)
+    groups: list[tuple[int, tuple[Layer, ...]]] = [(len(same), (same[0],)) for same in blocks.values()]
+    groups.append((1, (cap.layers[0], cap.layers[-1])))
+    hints = [choice for _, _, choice in fastest] if fastest else [None] * len(groups)
+    return [
+        (
+            repeats,
+            layers,
+            choose_layer(
+                cap.gm,
+                layers[0].index if len(layers) == 1 else tuple(layer.index for layer in layers),
+                tp,
+                cluster,
+                dtype=dtype,
+                sp=sp,
+                objective=objective,
+                index=index,
+                fastest=hint,
+            ),
+        )
+        for (repeats, layers), hint in zip(groups, hints, strict=True)
+    ]
+
+
+def tp_tables(
+    cap: CapturedModel, cluster: Cluster, st: Strategy, *, heads: int | None
+) -> tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]:
+    """Per layer type, the per-operator TP strategies the ILPs choose for ``st`` on ``cap`` (best:
+    the graph captured at the plan's micro-batch); empty at tp 1."""
+    if st.tp == 1:
+        return ()
+    if heads and heads % st.tp:
+        raise AutoparError(
+            f"tp {st.tp}: no way to split {heads} attention heads {st.tp} ways; "
+            "choose a tp that divides the head count"
+        )
+    choices = layer_choices(cap, cluster, st.tp, st.dtype, sp=st.sequence_parallel, objective=st.tp_objective)
+    return tuple(
+        (layer.type, plan_table(cap.gm, layer.index, layer.name, choice))
+        for _, layers, choice in choices
+        for layer in layers
+    )
+
+
+LEAN_GAIN = 0.01
+"""The least saving of parameters per rank for which the leanest TP layout is searched too."""
+
+
+class TPLayouts:
+    """Strategy → the per-operator TP choice at its width (``layout_of``), solved once per
+    (tp, sp, objective) on the graph captured at micro-batch 1 (collective sizes scale with the
+    micro-batch); None at tp 1. The outer search prices tensor parallelism with what the chosen
+    operators issue and keep, not with Megatron's count."""
+
+    def __init__(self, profiles: ModelProfiles, cluster: Cluster, dtype: str) -> None:
+        self.profiles, self.cluster, self.dtype = profiles, cluster, dtype
+        self._index: GraphIndex | None = None
+        self.choices: dict[tuple[int, bool, str], list[tuple[int, tuple[Layer, ...], LayerTP]]] = {}
+        self.solved: dict[tuple[int, bool, str], TPLayout] = {}
+        self.lean_pays: dict[tuple[int, bool], bool] = {}
+
+    @property
+    def graph(self) -> CapturedModel:
+        """The graph at micro-batch 1 (captured the first time a width above 1 is priced)."""
+        return self.profiles.captured(1)
+
+    @property
+    def index(self) -> GraphIndex:
+        if self._index is None:
+            self._index = index_graph(self.graph.gm)
+        return self._index
+
+    def _choices(self, tp: int, sp: bool, objective: str) -> list[tuple[int, tuple[Layer, ...], LayerTP]]:
+        key = (tp, sp, objective)
+        if key not in self.choices:
+            fastest = self._choices(tp, sp, "time") if objective == "memory" else None
+            self.choices[key] = layer_choices(
+                self.graph,
+                self.cluster,
+                tp,
+                self.dtype,
+                sp=sp,
+                objective=objective,
+                fastest=fastest,
+                index=self.index,
+            )
+        return self.choices[key]
+
+    def __call__(self, st: Strategy) -> TPLayout | None:
+        if st.tp == 1:
+            return None
+        key = (st.tp, st.sequence_parallel, st.tp_objective)
+        if key not in self.solved:
+            self.solved[key] = layout_of(self.graph, st.tp, self._choices(*key), self.index)
+        return self.solved[key]
+
+    def variants(self, st: Strategy) -> list[Strategy]:
+        """``st`` with the fastest layout, and with the leanest where that keeps at least
+        ``LEAN_GAIN`` fewer parameters per rank over the whole model (what the outer memory model
+        sees of a layout; a smaller saving would double the search for nothing); a strategy
+        already ``memory`` stays as it is."""
+        if st.tp == 1 or st.tp_objective != "time":
+            return [st]
+        lean = replace(st, tp_objective="memory")
+        key = (st.tp, st.sequence_parallel)
+        if key not in self.lean_pays:
+            layers = self.graph.layers
+
+            def kept(layout: TPLayout | None) -> float:
+                assert layout is not None
+                return sum(layout[layer.type].local_params for layer in layers)
+
+            self.lean_pays[key] = kept(self(lean)) < (1 - LEAN_GAIN) * kept(self(st))
+        return [st, lean] if self.lean_pays[key] else [st]
+
+
+__all__ = ["TPLayouts", "layer_choices", "layout_of", "plan_table", "tp_tables"]

@@ -1,0 +1,109 @@
+"""What a plan is asked for: the model, the cluster, the batch and sequence, and the user's
+constraints. ``PlanRequest`` is built once (by ``autopar.plan``, ``autopar.parallelize``, the
+CLI or a benchmark) and handed to the planner whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from autopar.cluster import Cluster
+from autopar.errors import AutoparError
+from autopar.strategy import DTYPES, RECOMPUTE, SCHEDULES, TP_OBJECTIVES
+
+
+@dataclass(frozen=True, kw_only=True)
+class Constraints:
+    """What the user fixed or forbade; None means free."""
+
+    tp: int | None = None
+    """Fix the tensor-parallel degree."""
+    pp: int | None = None
+    """Fix the pipeline-parallel degree."""
+    dp: int | None = None
+    """Fix the data-parallel degree."""
+    zero: int | None = None
+    """Fix the ZeRO stage."""
+    micro_batch: int | None = None
+    """Fix the micro-batch size."""
+    schedule: str | None = None
+    """Fix the schedule (gpipe, 1f1b, interleaved)."""
+    virtual_stages: int | None = None
+    """Fix v for the interleaved schedule."""
+    sequence_parallel: bool | None = None
+    """Force sequence parallelism on or off."""
+    tp_objective: str | None = None
+    """Fix what the per-operator TP choice minimises: ``time`` or ``memory`` (None: both are
+    priced where their layouts differ)."""
+    recompute: tuple[str, ...] = RECOMPUTE
+    """Recompute choices allowed per block."""
+    memory_cap_bytes: float | None = None
+    """Plan for at most this much memory per GPU (below the device's)."""
+    max_micro_batch: int = 16
+    """Largest micro-batch tried."""
+    reserve_bytes: float | None = None
+    """Memory kept back per GPU (default: 1 GiB context + 5% for fragmentation)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise AutoparError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.tp_objective is not None and self.tp_objective not in TP_OBJECTIVES:
+            raise AutoparError(
+                f"tp_objective must be one of {', '.join(TP_OBJECTIVES)}, got {self.tp_objective!r}"
+            )
+        if not self.recompute or any(r not in RECOMPUTE for r in self.recompute):
+            raise AutoparError(
+                f"recompute takes a non-empty subset of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """One planning problem."""
+
+    model: str | nn.Module
+    """A MODEL spec (zoo name, ``file.py:factory``, ``package.module:factory``) or a module
+    (captured on fake tensors: its weights are never read)."""
+    cluster: Cluster
+    """Where it trains (with measured profiles attached, if any: ``Cluster.from_profile``)."""
+    global_batch: int
+    """Sequences per optimizer step."""
+    seq: int
+    """Sequence length."""
+    dtype: str = "bf16"
+    """Training dtype (bf16 / fp16 keep fp32 master weights)."""
+    constraints: Constraints = field(default_factory=Constraints)
+    """What the user fixed or forbade."""
+    top_k: int = 5
+    """Runners-up to keep besides the plan."""
+    time_limit_s: float = 10.0
+    """Wall-time budget of the layout ILPs together."""
+    name: str | None = None
+    """What the plan calls the model (default: the spec, or the module's class name)."""
+
+    def __post_init__(self) -> None:
+        for what in ("global_batch", "seq", "top_k"):
+            value = getattr(self, what)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise AutoparError(f"{what} must be a positive integer, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise AutoparError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.time_limit_s <= 0:
+            raise AutoparError(f"time_limit_s must be positive, got {self.time_limit_s!r}")
+
+    @property
+    def model_name(self) -> str:
+        """The name the plan records."""
+        if self.name is not None:
+            return self.name
+        return self.model if isinstance(self.model, str) else type(self.model).__name__
+
+    @property
+    def capacity_bytes(self) -> float:
+        """Memory a plan may use per GPU: the device's, or the cap if lower."""
+        cap = self.constraints.memory_cap_bytes
+        return min(self.cluster.device.memory_bytes, cap) if cap else self.cluster.device.memory_bytes
+
+
+__all__ = ["Constraints", "PlanRequest"]

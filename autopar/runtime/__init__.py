@@ -1,0 +1,118 @@
+"""The runtime: a Plan applied to a model on this rank, as one straight sequence of steps that
+every plan runs through (a degree of 1 skips its step):
+
+    capture → tensor-parallel pass → stage split → outline blocks → recompute
+            → data parallel (DDP / ZeRO-1 / FSDP2) → allocate → optimizers → schedule
+
+Only torch.distributed does the work: DeviceMesh, DTensor, DDP and ``ZeroRedundancyOptimizer``,
+FSDP2 ``fully_shard`` with mixed precision, ``checkpoint_wrapper``, ``torch.distributed.
+pipelining`` schedules, and DCP for checkpoints (``ParallelModel.state_dict``). The runtime
+never plans: ``autopar.parallelize`` plans first when it is given a cluster.
+
+    steps.py       capture, TP pass, stage split, outlining, recompute, tied parameters
+    sharding.py    mesh, mixed precision, DDP / ZeRO-1 / FSDP2, allocation, optimizers
+    schedules.py   the micro-batch loop (pp = 1) or the pipeline schedule
+    model.py       ParallelModel: train_step, eval_step, checkpoint state
+    state.py       the checkpoint layout (DCP, ZeRO-1, fused-QKV shards)
+    distributed.py the process group and what ranks agree on
+    loss.py        the default next-token loss
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.plan import Plan
+from autopar.runtime.distributed import (
+    DEFAULT_TIMEOUT_S,
+    agree_on_plan,
+    check_plan,
+    check_runnable,
+    init_distributed,
+)
+from autopar.runtime.loss import LossFn, lm_loss, whole_logits
+from autopar.runtime.model import ParallelModel
+from autopar.runtime.schedules import apply_schedule
+from autopar.runtime.sharding import (
+    apply_data_parallel,
+    apply_materialize,
+    apply_optimizer,
+    compute_dtype,
+    loss_scaler,
+    make_mesh,
+)
+from autopar.runtime.state import fqn
+from autopar.runtime.steps import (
+    apply_capture,
+    apply_outline_blocks,
+    apply_pipeline_split,
+    apply_recompute,
+    apply_tensor_parallel,
+    apply_tied_groups,
+    tied_names,
+)
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    loss_fn: LossFn = lm_loss,
+    optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ParallelModel:
+    """Apply ``plan`` to ``model`` on this rank (call on every rank, inside torchrun).
+
+    The optimizer is ``optimizer_cls(params, **optimizer_kwargs)`` per local stage (default
+    AdamW, lr 1e-3), sharded over the data-parallel ranks under ZeRO ≥ 1."""
+    init_distributed(timeout_s)
+    check_plan(model, plan)
+    agree_on_plan(plan)
+    st = plan.strategy
+    on_meta = any(p.is_meta for p in model.parameters())
+    half = compute_dtype(model, plan)
+    aliases = tied_names(model)  # before the TP pass replaces parameters
+    mesh = make_mesh(plan)
+    stages = apply_capture(model, plan)
+    apply_tensor_parallel(stages, plan, mesh["tp"])
+    apply_pipeline_split(stages, plan, mesh)
+    apply_outline_blocks(stages)
+    apply_recompute(stages, plan)
+    tied = apply_tied_groups(stages, plan, mesh)
+    fsdp = apply_data_parallel(stages, plan, mesh, half)
+    apply_materialize(stages, on_meta)
+    kwargs = optimizer_kwargs if optimizer_kwargs is not None else {"lr": 1e-3}
+    optimizer = apply_optimizer(stages, plan, optimizer_cls, kwargs)
+    loss_fn = whole_logits(loss_fn) if st.tp > 1 else loss_fn
+    schedule = apply_schedule(stages, plan, mesh, loss_fn)
+    params = {fqn(n): p for s in stages.ordered for n, p in s.named_parameters()}
+    for shared in tied:  # the parameters as FSDP2 left them
+        shared.params = [params[n] for n in shared.names]
+    return ParallelModel(
+        stages=stages.ordered,
+        optimizer=optimizer,
+        plan=plan,
+        schedule=schedule,
+        loss_fn=loss_fn,
+        autocast_dtype=None if fsdp else half,
+        scaler=loss_scaler(plan, sharded=fsdp or st.tp > 1),
+        partial_grads=[params[n] for n in stages.partial if n in params],
+        tp_group=mesh["tp"].get_group().group_name,
+        tied=tied,
+        aliases=aliases,
+        needs_weights=on_meta,
+    )
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "ParallelModel",
+    "check_runnable",
+    "init_distributed",
+    "lm_loss",
+    "parallelize",
+]

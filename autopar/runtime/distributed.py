@@ -1,0 +1,129 @@
+"""The process group and what every rank must agree on before a collective runs."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+from autopar.strategy import Strategy
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Process-group timeout: a mismatched collective becomes an error, not a hang."""
+
+
+def device_type() -> str:
+    """Where this rank computes: ``cuda`` when a GPU is visible, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def local_device() -> torch.device:
+    """This rank's device: its current GPU, or the CPU."""
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the process group from the torchrun environment if there is none (NCCL on GPUs, gloo else)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise AutoparError("no process group and no torchrun environment: launch with torchrun")
+    backend = "nccl" if device_type() == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def agree_on_plan(plan: Plan) -> None:
+    """Every rank must hold the same plan before any other collective runs."""
+    hashes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, plan.hash)
+    if len(set(hashes)) != 1:
+        raise AutoparError(
+            f"ranks hold different plans (hashes {sorted(set(hashes))}); plan once and share it"
+        )
+
+
+def agree_on_batch(batch: torch.Tensor, st: Strategy) -> None:
+    """Every rank checks every rank's batch size first: a wrong batch on one rank is an error on
+    every rank, not a hang in the other ranks' collectives."""
+    expected = st.global_batch // st.dp
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([batch.shape[0]]))
+    bad = [(rank, int(n)) for rank, n in enumerate(sizes) if int(n) != expected]
+    if bad:
+        rank, n = bad[0]
+        raise AutoparError(
+            f"rank {rank}'s batch has {n} sequences but the plan gives each of its {st.dp} "
+            f"data-parallel ranks {expected} (global batch {st.global_batch})"
+        )
+
+
+@torch.no_grad()
+def reduce_partial_grads(params: list[nn.Parameter], group: Any) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one bucketed all-reduce (TP-partial
+    gradients under sequence parallelism; a tied weight's gradients on several pipeline ranks)."""
+    import torch.distributed._functional_collectives as funcol
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    flat = funcol.wait_tensor(funcol.all_reduce(torch.cat([x.reshape(-1) for x in local]), "sum", group))
+    offset = 0
+    for x in local:
+        x.copy_(flat[offset : offset + x.numel()].view_as(x))
+        offset += x.numel()
+
+
+def check_plan(model: nn.Module, plan: Plan) -> None:
+    """Raise a clear error, on every rank before any collective, when ``plan`` cannot run here:
+    another world size, layers this model lacks, a combination the runtime does not execute."""
+    st = plan.strategy
+    world = dist.get_world_size()
+    if st.world_size != world:
+        raise AutoparError(
+            f"the plan is for {st.world_size} GPUs (tp·pp·dp = {st.tp}·{st.pp}·{st.dp}) but {world} "
+            "processes were launched; re-plan for this world (autopar plan --nodes/--cluster)"
+        )
+    check_runnable(plan)
+    model_blocks = {n for n, _ in model.named_modules()}
+    missing = [n for n in plan.recompute if n not in model_blocks]
+    if missing:
+        raise AutoparError(
+            f"the plan names layers this model lacks (e.g. {missing[0]!r}): it was made for {plan.model}"
+        )
+    ddp = st.tp == 1 and st.pp == 1 and st.dp > 1 and st.zero <= 1
+    if ddp and any(p.is_meta for p in model.parameters()):
+        raise AutoparError(
+            f"ZeRO-{st.zero} data parallelism (DDP) needs the model's weights, but its parameters are "
+            "on the meta device: build it with real weights, or plan ZeRO-2/3 or a pipeline"
+        )
+
+
+def check_runnable(plan: Plan) -> None:
+    """Raise a clear error for a plan this runtime cannot execute (before any process starts)."""
+    st = plan.strategy
+    if st.pp > 1 and st.dtype == "fp16":
+        raise AutoparError(
+            "fp16 loss scaling does not run under pipeline schedules yet; plan pipelines with --dtype bf16"
+        )
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "agree_on_batch",
+    "agree_on_plan",
+    "check_plan",
+    "check_runnable",
+    "device_type",
+    "init_distributed",
+    "local_device",
+    "reduce_partial_grads",
+]

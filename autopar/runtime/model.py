@@ -1,0 +1,193 @@
+"""``ParallelModel``: a model placed by a plan on this rank — its stages, optimizers and
+schedule — with one surface for every plan: ``train_step``, ``eval_step`` and checkpoint state."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+from autopar.runtime.distributed import agree_on_batch, device_type, reduce_partial_grads
+from autopar.runtime.loss import LossFn
+from autopar.runtime.schedules import LocalSchedule, PipelineSchedule
+from autopar.runtime.sharding import StageOptimizers
+from autopar.runtime.state import (
+    fqn,
+    load_local_state,
+    local_state,
+    map_dtensors,
+    placements_of,
+    restride,
+    unstride,
+)
+from autopar.runtime.steps import TiedGroup
+
+
+@dataclass
+class ParallelModel:
+    """This rank's part of a model placed by a plan; ``train_step`` runs one optimizer step."""
+
+    stages: list[nn.Module]
+    """This rank's stages in execution order: one when pp = 1 (the model, wrapped by DDP or
+    FSDP2, or its tensor-parallel graph), its pipeline chunks otherwise (GraphModules with the
+    model's FQNs)."""
+    optimizer: StageOptimizers
+    """One optimizer per stage."""
+    plan: Plan
+    """The plan being executed."""
+    schedule: LocalSchedule | PipelineSchedule
+    """How a step runs the micro-batches."""
+    loss_fn: LossFn
+    """loss(model output, batch) → scalar."""
+    autocast_dtype: torch.dtype | None = None
+    """Autocast dtype where no FSDP2 casts parameters."""
+    scaler: Any = None
+    """fp16 only: the dynamic loss scaler (``GradScaler`` or ``ShardedGradScaler``)."""
+    partial_grads: list[nn.Parameter] = field(default_factory=list)
+    """TP with sequence parallelism: replicated parameters whose gradients are partial over the TP
+    group (all-reduced once per step, in one bucket)."""
+    tp_group: Any = ""
+    """Name of this rank's TP process group."""
+    tied: list[TiedGroup] = field(default_factory=list)
+    """Parameters shared with other pipeline ranks and the groups that sum their gradients."""
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """A tied parameter's name → all its names in the model (a graph reads it under one)."""
+    needs_weights: bool = False
+    """Built from meta parameters: the stages' memory is allocated but holds no values until
+    ``load_full_state_dict`` or a DCP ``load_state_dict``."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The local stage (pp = 1), or the local stages as one ModuleList."""
+        return self.stages[0] if len(self.stages) == 1 else nn.ModuleList(self.stages)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.plan.strategy.micro_batches
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: pipeline and TP ranks of one replica share data
+        (mesh (pp, dp, tp), TP innermost)."""
+        st = self.plan.strategy
+        return (dist.get_rank() // st.tp) % st.dp
+
+    def precision(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast where it applies, and vocabulary-parallel cross-entropy on logits split over
+        the vocabulary (tp > 1): forward and backward run inside."""
+        stack = contextlib.ExitStack()
+        if self.autocast_dtype is not None:
+            stack.enter_context(torch.autocast(device_type(), dtype=self.autocast_dtype))
+        if self.plan.strategy.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            stack.enter_context(loss_parallel())
+        return stack
+
+    def _mean(self, losses: list[torch.Tensor]) -> float:
+        """The mean loss over all data-parallel replicas (each rank holding the last stage adds
+        its micro-batches' mean; the dp·tp of them divide)."""
+        st = self.plan.strategy
+        total = torch.zeros((), dtype=torch.float32)
+        for loss in losses:
+            total += loss
+        mean = total / max(1, len(losses))
+        dist.all_reduce(mean)  # SUM: gloo has no AVG
+        return float(mean) / (st.dp * st.tp)
+
+    def _check_weights(self) -> None:
+        if self.needs_weights:
+            raise AutoparError(
+                "this model was built with meta parameters: load its weights first "
+                "(load_full_state_dict, or torch.distributed.checkpoint.load + load_state_dict)"
+            )
+
+    def train_step(self, batch: torch.Tensor) -> float:
+        """Forward, backward over the plan's micro-batches, optimizer step; returns the mean loss
+        over all data-parallel ranks. ``batch`` is this replica's share: global batch / dp rows."""
+        self._check_weights()
+        agree_on_batch(batch, self.plan.strategy)
+        losses = self.schedule.step(self, batch)
+        reduce_partial_grads(self.partial_grads, self.tp_group)
+        for tied in self.tied:  # embedding and head gradients of a tied weight add up
+            reduce_partial_grads(tied.params, tied.group)
+        if self.scaler is not None:
+            (opt,) = self.optimizer.optimizers  # fp16 runs without a pipeline: one stage
+            self.scaler.step(opt)  # skipped when a gradient overflowed; then the scale halves
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._mean(losses)
+
+    @torch.no_grad()
+    def eval_step(self, batch: torch.Tensor) -> float:
+        """Mean loss of this replica's batch over all ranks, without gradients or updates."""
+        self._check_weights()
+        return self._mean(self.schedule.eval(self, batch))
+
+    def _with_aliases(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {alias: v for k, v in state.items() for alias in self.aliases.get(k, (k,))}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state for ``torch.distributed.checkpoint`` under the original
+        model's names (a tied weight under each of its names; ``runtime.state``)."""
+        state = local_state(self.stages, self.optimizer.optimizers)
+        state["model"] = self._with_aliases(state["model"])
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return map_dtensors(state, unstride)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of ``state_dict`` (after ``torch.distributed.checkpoint.load`` into it)."""
+        if self.plan.strategy.tp > 1:  # fused-QKV shards were saved as plain shards
+            like = placements_of(local_state(self.stages, self.optimizer.optimizers))
+            state = map_dtensors(state, restride, like=like)
+        load_local_state(self.stages, self.optimizer.optimizers, state)
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        self.needs_weights = False
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load unsharded weights (the model's own ``state_dict()`` names, on the CPU, the same on
+        every rank): each rank copies in only its stages' slices."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
+        for stage in self.stages:
+            names = [fqn(k) for k in get_model_state_dict(stage)]
+            missing = [k for k in names if k not in state]
+            if missing:
+                raise AutoparError(f"the state dict has no {missing[0]!r}: it is not this model's")
+            mine: dict[str, Any] = {k: state[k] for k in names}
+            set_model_state_dict(stage, mine, options=StateDictOptions(full_state_dict=True))
+        self.needs_weights = False
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded parameters under the original names, from every stage (collective: call
+        on every rank)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full: dict[str, torch.Tensor] = {}
+        for stage in self.stages:
+            sd = get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True))
+            full.update({fqn(k): v.detach().cpu() for k, v in sd.items() if isinstance(v, torch.Tensor)})
+        st = self.plan.strategy
+        if st.pp > 1:  # one rank of each pipeline stage shares its stage's weights
+            share = full if dist.get_rank() % (st.dp * st.tp) == 0 else {}
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, share)
+            full = {k: v for part in gathered for k, v in part.items()}
+        return self._with_aliases(full)
+
+
+__all__ = ["ParallelModel"]

@@ -1,0 +1,123 @@
+"""How a step runs the plan's micro-batches: one after another on this rank with gradient
+accumulation (pp = 1), or through a ``torch.distributed.pipelining`` schedule (pp > 1: GPipe,
+1F1B, Interleaved1F1B). Both return the losses this rank computed, one per micro-batch."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+from autopar.runtime.distributed import local_device
+from autopar.runtime.loss import LossFn, scalar
+from autopar.runtime.steps import Stages
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+"""Plan schedule → ``torch.distributed.pipelining`` schedule class."""
+
+
+class Runner(Protocol):
+    """What a schedule needs of the model it runs."""
+
+    @property
+    def loss_fn(self) -> LossFn: ...
+
+    @property
+    def scaler(self) -> Any: ...
+
+    def precision(self) -> contextlib.AbstractContextManager[Any]: ...
+
+
+class LocalSchedule:
+    """pp = 1: the micro-batches in turn, each loss / m backward (gradients accumulate); the
+    data-parallel gradient sync waits for the last micro-batch."""
+
+    def __init__(self, module: nn.Module, plan: Plan) -> None:
+        self.module = module
+        self.micro_batch, self.micro_batches = plan.strategy.micro_batch, plan.strategy.micro_batches
+
+    def _sync(self, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(self.module, FSDPModule):
+            self.module.set_requires_gradient_sync(enabled)
+        elif not enabled and isinstance(self.module, DistributedDataParallel):
+            return self.module.no_sync()
+        return contextlib.nullcontext()
+
+    def step(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
+        losses = []
+        for i, micro in enumerate(batch.split(self.micro_batch)):
+            with self._sync(i == self.micro_batches - 1), runner.precision():
+                loss = runner.loss_fn(self.module(micro), micro)
+                if loss.dim() != 0:
+                    raise AutoparError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+                scaled = loss / self.micro_batches
+                if runner.scaler is not None:
+                    scaled = runner.scaler.scale(scaled)
+                scaled.backward()
+            losses.append(scalar(loss).detach().float())
+        return losses
+
+    def eval(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
+        with runner.precision():  # a captured graph runs one micro-batch at a time
+            return [
+                scalar(runner.loss_fn(self.module(micro), micro)).detach().float()
+                for micro in batch.split(self.micro_batch)
+            ]
+
+
+class PipelineSchedule:
+    """pp > 1: the plan's schedule over this rank's stages; the first rank feeds the tokens, the
+    last computes the losses."""
+
+    def __init__(self, schedule: Any, *, first: bool, last: bool) -> None:
+        self.schedule, self.first, self.last = schedule, first, last
+
+    def _run(self, runner: Runner, run: Callable[..., Any], batch: torch.Tensor) -> list[torch.Tensor]:
+        losses: list[torch.Tensor] = []
+        with runner.precision():
+            args = (batch,) if self.first else ()
+            run(*args, target=batch if self.last else None, losses=losses)
+        return [scalar(x).detach().float() for x in losses]
+
+    def step(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
+        return self._run(runner, lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), batch)
+
+    def eval(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
+        return self._run(runner, self.schedule.eval, batch)
+
+
+def apply_schedule(
+    stages: Stages, plan: Plan, mesh: Any, loss_fn: LossFn
+) -> LocalSchedule | PipelineSchedule:
+    """pp = 1: the local micro-batch loop; pp > 1: this rank's stages as ``PipelineStage`` s
+    under the plan's ``torch.distributed.pipelining`` schedule (one stage per chunk it holds)."""
+    st = plan.strategy
+    if st.pp == 1:
+        return LocalSchedule(stages.modules[0], plan)
+    from torch.distributed import pipelining
+
+    if st.schedule not in SCHEDULES:
+        raise AutoparError(f"unknown pipeline schedule {st.schedule!r}; use one of {sorted(SCHEDULES)}")
+    group = mesh["pp"].get_group()
+    pipes = [
+        pipelining.PipelineStage(stage, c, stages.count, local_device(), group=group)
+        for c, stage in sorted(stages.modules.items())
+    ]
+    cls = getattr(pipelining, SCHEDULES[st.schedule])
+    schedule = (
+        cls(pipes, st.micro_batches, loss_fn=loss_fn)
+        if st.virtual_stages > 1
+        else cls(pipes[0], st.micro_batches, loss_fn=loss_fn)
+    )
+    return PipelineSchedule(schedule, first=0 in stages.modules, last=stages.count - 1 in stages.modules)
+
+
+__all__ = ["SCHEDULES", "LocalSchedule", "PipelineSchedule", "apply_schedule"]

@@ -1,0 +1,160 @@
+"""The device-side steps of ``parallelize``: the device mesh, mixed precision, data parallelism
+(DDP, ZeRO-1, FSDP2), allocation of meta parameters, and the optimizers.
+
+The mesh is (pp, dp, tp), TP innermost (inside a node). The data-parallel axis of a plan that
+runs the model as written (tp = pp = 1) uses DDP for ZeRO 0 and 1 (``ZeroRedundancyOptimizer``
+over DDP for 1) and FSDP2 ``fully_shard`` for 2 and 3; a captured plan's always runs through
+FSDP2, since DDP and composable ``replicate`` do not compose with DTensor parameters or
+pipeline stages: ZeRO 0–2 then keep parameters unsharded between forward and backward
+(``reshard_after_forward=False``, ZeRO-2 memory), ZeRO 3 reshards them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.graph.meta import materialize
+from autopar.plan import Plan
+from autopar.runtime.distributed import device_type, local_device
+from autopar.runtime.steps import Stages
+
+
+def make_mesh(plan: Plan) -> Any:
+    """The (pp, dp, tp) device mesh of the plan's degrees."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    st = plan.strategy
+    return init_device_mesh(device_type(), (st.pp, st.dp, st.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def compute_dtype(model: nn.Module, plan: Plan) -> torch.dtype | None:
+    """bf16/fp16 plans on fp32 weights compute in half precision with fp32 master weights and fp32
+    gradient reduction; None when the plan is fp32 or the weights already are the compute dtype."""
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.strategy.dtype)
+    return half if next(model.parameters()).dtype == torch.float32 else None
+
+
+def fsdp_policy(half: torch.dtype | None) -> Any:
+    """FSDP2's mixed precision for ``compute_dtype``: half-precision parameters, fp32 reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return (
+        MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
+    )
+
+
+def dp_placement(param: nn.Parameter) -> Any:
+    """FSDP2's dim for a parameter: not the dim of a fused column shard (``_StridedShard``, which a
+    second shard of the same dim would scramble), else FSDP2's default (dim 0)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = [p.dim for p in getattr(param, "placements", ()) if isinstance(p, _StridedShard)]
+    if strided and param.dim() > 1:
+        return Shard(1 if strided[0] == 0 else 0)
+    return None
+
+
+def shard_over_dp(stage: nn.Module, plan: Plan, dp_mesh: Any, half: torch.dtype | None) -> None:
+    """FSDP2 over the DP axis: each block of the stage, then the stage (ZeRO-3 reshards
+    parameters after forward; ZeRO 0–2 keep them until backward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar.passes.recompute import has_submodule
+
+    options = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": plan.strategy.zero == 3,
+        "mp_policy": fsdp_policy(half),
+        "shard_placement_fn": dp_placement,
+    }
+    for name in plan.recompute:
+        if has_submodule(stage, name):
+            fully_shard(stage.get_submodule(name), **options)
+    fully_shard(stage, **options)
+
+
+def apply_data_parallel(stages: Stages, plan: Plan, mesh: Any, half: torch.dtype | None) -> bool:
+    """The DP axis (dp > 1): DDP for a model run as written at ZeRO 0–1, else FSDP2 on every
+    stage. Returns whether FSDP2 shards the stages (it then casts parameters itself; otherwise
+    the forward runs under autocast)."""
+    st = plan.strategy
+    if st.dp == 1:
+        return False
+    if stages.gm is None and st.zero <= 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        stages.modules[0] = DistributedDataParallel(stages.modules[0], process_group=mesh["dp"].get_group())
+        return False
+    for stage in stages.modules.values():
+        shard_over_dp(stage, plan, mesh["dp"], half)
+    return True
+
+
+def apply_materialize(stages: Stages, on_meta: bool) -> None:
+    """A model built with meta parameters (``autopar.meta_parameters``): allocate this rank's
+    stages only (their shards, after FSDP2); the weights come from a checkpoint."""
+    if on_meta:
+        for stage in stages.modules.values():
+            materialize(stage, local_device())
+
+
+class StageOptimizers:
+    """One optimizer per local stage (DCP keys optimizer state by each stage's FQNs)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def apply_optimizer(
+    stages: Stages, plan: Plan, optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
+) -> StageOptimizers:
+    """``optimizer_cls(params, **kwargs)`` per local stage; under DDP at ZeRO 1 its states are
+    sharded over the data-parallel ranks (``ZeroRedundancyOptimizer``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ordered = stages.ordered
+    if plan.strategy.zero == 1 and isinstance(ordered[0], DistributedDataParallel):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        zero1 = ZeroRedundancyOptimizer(ordered[0].parameters(), optimizer_class=optimizer_cls, **kwargs)
+        return StageOptimizers([zero1])
+    return StageOptimizers([optimizer_cls(s.parameters(), **kwargs) for s in ordered])
+
+
+def loss_scaler(plan: Plan, *, sharded: bool) -> Any:
+    """fp16 plans: a dynamic loss scaler (``ShardedGradScaler`` where gradients are sharded, so
+    overflow checks agree across shards; else ``GradScaler``: all-reduced gradients overflow
+    alike on every rank). None for bf16/fp32."""
+    if plan.strategy.dtype != "fp16":
+        return None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device_type())
+    return torch.amp.GradScaler(device_type())
+
+
+__all__ = [
+    "StageOptimizers",
+    "apply_data_parallel",
+    "apply_materialize",
+    "apply_optimizer",
+    "compute_dtype",
+    "dp_placement",
+    "fsdp_policy",
+    "loss_scaler",
+    "make_mesh",
+    "shard_over_dp",
+]

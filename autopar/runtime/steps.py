@@ -1,0 +1,194 @@
+"""The graph-side steps of ``parallelize``: capture, tensor-parallel pass, stage split, block
+outlining, recomputation, and the parameters several pipeline ranks share.
+
+Each step takes the ``Stages`` the one before made and skips itself where its degree is 1: with
+tp = pp = 1 the model is not captured and runs as written (one stage: the model itself); with
+pp = 1 the whole graph is the one stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch import fx, nn
+
+from autopar.graph import CapturedModel
+from autopar.graph.meta import capture_with_meta_parameters
+from autopar.passes.pipeline_split import fill_layers, outline_blocks, split_stages, stage_chunks
+from autopar.passes.recompute import recompute
+from autopar.plan import Plan
+
+
+@dataclass
+class Stages:
+    """This rank's share of the model as the steps build it."""
+
+    modules: dict[int, nn.Module]
+    """Chunk index → its module (chunk c runs on pipeline rank c mod pp); {0: the model} when
+    the model is not captured."""
+    captured: CapturedModel | None = None
+    """The capture every rank starts from (tp > 1 or pp > 1)."""
+    gm: fx.GraphModule | None = None
+    """The captured graph after the tensor-parallel pass, every node annotated with its layer."""
+    names: list[str] = field(default_factory=list)
+    """The captured model's layer names, indexed by ``autopar.layer``."""
+    partial: list[str] = field(default_factory=list)
+    """Parameters whose gradients are partial over the TP group (summed once per step)."""
+    chunks: list[list[str]] = field(default_factory=list)
+    """Layer names of every chunk of the whole model (pp > 1; pp · virtual stages of them)."""
+
+    @property
+    def count(self) -> int:
+        """Chunks of the whole model (1 without a pipeline)."""
+        return max(1, len(self.chunks))
+
+    @property
+    def ordered(self) -> list[nn.Module]:
+        """The local chunks in execution order."""
+        return [self.modules[c] for c in sorted(self.modules)]
+
+
+def capture_graph(model: nn.Module, plan: Plan) -> Stages:
+    """The model captured at the plan's micro-batch shape (meta parameters allowed)."""
+    st = plan.strategy
+    captured = capture_with_meta_parameters(model, batch=st.micro_batch, seq=st.seq)
+    return Stages(modules={}, captured=captured, names=[layer.name for layer in captured.layers])
+
+
+def apply_capture(model: nn.Module, plan: Plan) -> Stages:
+    """tp > 1 or pp > 1: ``capture_graph``. Otherwise the model itself, as written."""
+    st = plan.strategy
+    return Stages(modules={0: model}) if st.tp == 1 and st.pp == 1 else capture_graph(model, plan)
+
+
+def apply_tensor_parallel(stages: Stages, plan: Plan, tp_mesh: Any) -> None:
+    """tp > 1: rewrite the captured graph for the TP mesh axis ``tp_mesh`` (``passes.
+    tensor_parallel``); the nodes the pass inserts are given the layer of their users."""
+    if stages.captured is None:
+        return
+    gm = stages.captured.gm
+    if plan.strategy.tp > 1:
+        from autopar.passes.tensor_parallel import tensor_parallel_for_plan  # DTensor: imported when used
+
+        gm, stages.partial = tensor_parallel_for_plan(stages.captured, plan, tp_mesh)
+    stages.gm = fill_layers(gm)
+
+
+def apply_pipeline_split(stages: Stages, plan: Plan, mesh: Any) -> None:
+    """pp > 1: cut the graph into the plan's chunks and keep this rank's (chunk c on pipeline
+    rank c mod pp); pp = 1: the whole graph is the one stage."""
+    st = plan.strategy
+    if stages.gm is None:
+        return
+    if st.pp == 1:
+        stages.modules = {0: stages.gm}
+        return
+    names = stages.names
+    stages.chunks = stage_chunks(names, [s.layers for s in plan.stages], st.virtual_stages)
+    rank = mesh["pp"].get_local_rank()
+    mine = [c for c in range(len(stages.chunks)) if c % st.pp == rank]
+    stages.modules = split_stages(
+        stages.gm, lambda n: names[n.meta["autopar.layer"]], stages.chunks, keep=mine
+    )
+
+
+def apply_outline_blocks(stages: Stages) -> None:
+    """Blocks of a captured graph become submodules at their own paths (FSDP2 shards them,
+    ``checkpoint_wrapper`` recomputes them, parameter FQNs stay the model's)."""
+    if stages.gm is not None:
+        stages.modules = {c: outline_blocks(m, stages.names) for c, m in stages.modules.items()}
+
+
+def apply_recompute(stages: Stages, plan: Plan) -> None:
+    """Wrap the blocks the plan recomputes (``passes.recompute``)."""
+    for module in stages.modules.values():
+        recompute(module, plan.recompute)
+
+
+# ---- parameters on several pipeline ranks ---------------------------------------------------
+
+
+def shared_params(gm: fx.GraphModule, chunks: list[list[str]], names: list[str]) -> dict[str, set[int]]:
+    """Trainable parameters read by more than one chunk → those chunks (tied embedding/head)."""
+    from autopar.passes.tensor_parallel import is_param
+
+    chunk_of = {name: c for c, members in enumerate(chunks) for name in members}
+    readers: dict[str, set[int]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            param = gm.get_parameter(str(n.target)) if is_param(gm, str(n.target)) else None
+            if param is None or not param.requires_grad:
+                continue
+            todo, seen = list(n.users), set()
+            while todo:  # through to_local reads to the operators that use the weight
+                u = todo.pop()
+                if u in seen:
+                    continue
+                seen.add(u)
+                if u.op == "call_method":
+                    todo.extend(u.users)
+                elif "autopar.layer" in u.meta:
+                    readers.setdefault(str(n.target), set()).add(chunk_of[names[u.meta["autopar.layer"]]])
+    return {k: v for k, v in readers.items() if len(v) > 1}
+
+
+@dataclass
+class TiedGroup:
+    """Parameters held by several pipeline ranks and the process group that sums their gradients."""
+
+    names: list[str]
+    """Their names in this rank's stages."""
+    group: Any
+    """The process group of the ranks holding them (one per (dp, tp) coordinate)."""
+    params: list[nn.Parameter] = field(default_factory=list)
+    """The parameters themselves, once the stages are final (after FSDP2 replaced them)."""
+
+
+def apply_tied_groups(stages: Stages, plan: Plan, mesh: Any) -> list[TiedGroup]:
+    """pp > 1: one process group per set of pipeline ranks sharing parameters, per (dp, tp)
+    coordinate (every rank makes every group, in the same order; keeps those it belongs to)."""
+    pp = plan.strategy.pp
+    if pp == 1 or stages.gm is None:
+        return []
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for name, chunks in sorted(shared_params(stages.gm, stages.chunks, stages.names).items()):
+        ranks = tuple(sorted({c % pp for c in chunks}))
+        if len(ranks) > 1:
+            by_ranks.setdefault(ranks, []).append(name)
+    groups = []
+    layout = mesh.mesh  # (pp, dp, tp) tensor of global ranks
+    for ranks, names in sorted(by_ranks.items()):
+        subgroups = [
+            [int(layout[k, d, t]) for k in ranks]
+            for d in range(layout.shape[1])
+            for t in range(layout.shape[2])
+        ]
+        mine, _ = dist.new_subgroups_by_enumeration(subgroups)
+        if mine is not None:
+            groups.append(TiedGroup(names=names, group=mine))
+    return groups
+
+
+def tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each name of a parameter the model holds under several names → all of them."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return {name: tuple(names) for names in groups.values() if len(names) > 1 for name in names}
+
+
+__all__ = [
+    "Stages",
+    "TiedGroup",
+    "apply_capture",
+    "apply_outline_blocks",
+    "apply_pipeline_split",
+    "apply_recompute",
+    "apply_tensor_parallel",
+    "apply_tied_groups",
+    "capture_graph",
+    "shared_params",
+    "tied_names",
+]

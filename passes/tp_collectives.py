@@ -1,0 +1,162 @@
+"""Collectives with Megatron's conjugate backward, for the tensor-parallel rewrite.
+
+Each is an autograd Function over ``torch.distributed._functional_collectives`` (Shoeybi et
+al. 2019, §3: ``f`` is the identity forward and an all-reduce backward, ``g`` the reverse):
+
+- ``tp_copy`` (f): identity forward, all-reduce of the gradient;
+- ``tp_reduce`` (g): all-reduce forward, identity backward;
+- ``tp_reduce_scatter``: sequence-parallel g, reduce-scatter forward, all-gather backward;
+- ``tp_gather`` / ``tp_slice``: all-gather forward and slice backward, and the reverse;
+- ``tp_chunks``: this rank's slice of every chunk of a fused replicated bias;
+- ``vocab_embedding``: a lookup in this rank's rows of a vocabulary-parallel embedding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    return funcol.wait_tensor(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _wait(funcol.all_reduce(g.contiguous(), "sum", ctx.group)), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
+        return _wait(funcol.all_reduce(x.contiguous(), "sum", group))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g, None
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along ``dim``; backward takes this rank's slice, reduce-scattering first when the
+    gradient is a partial sum (the gathered tensor feeds column-parallel weights)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: str, rank: int, size: int, partial: bool) -> Any:
+        ctx.args = dim, group, rank, size, partial
+        return _wait(funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        dim, group, rank, size, partial = ctx.args
+        if partial:
+            out = _wait(funcol.reduce_scatter_tensor(g.contiguous(), "sum", scatter_dim=dim, group=group))
+        else:
+            out = g.chunk(size, dim=dim)[rank].contiguous()
+        return out, None, None, None, None, None
+
+
+class _Slice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: str, rank: int, size: int) -> torch.Tensor:
+        ctx.args = dim, group
+        return x.chunk(size, dim=dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        dim, group = ctx.args
+        return (
+            _wait(funcol.all_gather_tensor(g.contiguous(), gather_dim=dim, group=group)),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+class _Chunks(torch.autograd.Function):
+    """This rank's slice of each of k chunks of a replicated vector (a fused bias); backward
+    all-gathers the slices' gradients so every rank holds the whole, identical gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, k: int, group: str, rank: int, size: int) -> torch.Tensor:
+        ctx.args = k, group, size
+        return x.view(k, size, -1)[:, rank].reshape(-1)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        k, group, _size = ctx.args
+        parts = _wait(funcol.all_gather_tensor(g.contiguous().view(1, k, -1), gather_dim=0, group=group))
+        return parts.transpose(0, 1).reshape(-1), None, None, None, None  # (size, k, m) → (k, size, m)
+
+
+def tp_chunks(x: torch.Tensor, k: int, group: str, rank: int, size: int) -> torch.Tensor:
+    """Slices r of each of k chunks of a replicated vector; gradients all-gathered."""
+    return _Chunks.apply(x, k, group, rank, size)  # type: ignore[no-any-return]
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+        ctx.args = dim, group
+        return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", scatter_dim=dim, group=group))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        dim, group = ctx.args
+        return _wait(funcol.all_gather_tensor(g.contiguous(), gather_dim=dim, group=group)), None, None
+
+
+def tp_reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """Sequence-parallel g: reduce-scatter partial sums along ``dim`` forward, all-gather backward."""
+    return _ReduceScatter.apply(x, dim, group)  # type: ignore[no-any-return]
+
+
+def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Look up ``ids`` in this rank's rows [lo, hi) of the embedding; other ids give zeros (the
+    partial sums all ranks then add up: Megatron's vocabulary-parallel embedding)."""
+    outside = (ids < lo) | (ids >= hi)
+    rows = torch.ops.aten.embedding.default(weight, (ids - lo).masked_fill(outside, 0))
+    return rows.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def tp_copy(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Megatron f: identity forward, all-reduce of the gradient."""
+    return _Copy.apply(x, group)  # type: ignore[no-any-return]
+
+
+def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Megatron g: all-reduce forward, identity backward."""
+    return _Reduce.apply(x, group)  # type: ignore[no-any-return]
+
+
+def tp_gather(x: torch.Tensor, dim: int, group: str, rank: int, size: int, partial: bool) -> torch.Tensor:
+    """All-gather forward; slice (or reduce-scatter a partial gradient) backward."""
+    return _Gather.apply(x, dim, group, rank, size, partial)  # type: ignore[no-any-return]
+
+
+def tp_slice(x: torch.Tensor, dim: int, group: str, rank: int, size: int) -> torch.Tensor:
+    """Keep this rank's slice forward; all-gather backward."""
+    return _Slice.apply(x, dim, group, rank, size)  # type: ignore[no-any-return]
+
+
+OURS = (tp_copy, tp_reduce, tp_reduce_scatter, tp_gather, tp_slice, tp_chunks, vocab_embedding)
+"""The functions the rewrite inserts (left alone when it walks the graph again)."""
+
+__all__ = [
+    "OURS",
+    "tp_chunks",
+    "tp_copy",
+    "tp_gather",
+    "tp_reduce",
+    "tp_reduce_scatter",
+    "tp_slice",
+    "vocab_embedding",
+]
