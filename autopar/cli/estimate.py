@@ -162,7 +162,12 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
     progress(args, f"capturing {args.model} at micro-batch {args.micro_batch}, seq {seq} …")
     profiles = ModelProfiles.of(args.model, dtype=args.dtype, seq=seq)
     reserve = args.reserve_gib * 2**30 if args.reserve_gib is not None else None
-    est = Pricer(profiles, cluster, dtype=args.dtype, reserve_bytes=reserve).estimate(strategy)
+    # the per-operator TP choice solved on this micro-batch's graph (the search solves once, on
+    # micro-batch 1's: the two can differ, see the cost-model issue)
+    pricer = Pricer(
+        profiles, cluster, dtype=args.dtype, reserve_bytes=reserve, tp_graph_micro_batch=args.micro_batch
+    )
+    est = pricer.estimate(strategy)
     if args.json:
         print_json(
             {"model": args.model, "cluster": cluster.name, "nodes": cluster.num_nodes, **est.to_dict()}

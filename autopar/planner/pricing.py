@@ -18,10 +18,18 @@ class Pricer:
     objective, micro-batch) are built once."""
 
     def __init__(
-        self, profiles: ModelProfiles, cluster: Cluster, *, dtype: str, reserve_bytes: float | None = None
+        self,
+        profiles: ModelProfiles,
+        cluster: Cluster,
+        *,
+        dtype: str,
+        reserve_bytes: float | None = None,
+        tp_graph_micro_batch: int = 1,
     ) -> None:
+        """``tp_graph_micro_batch``: the micro-batch whose graph the per-operator TP choice is
+        solved on (``TPLayouts``)."""
         self.profiles, self.cluster, self.reserve_bytes = profiles, cluster, reserve_bytes
-        self.layouts = TPLayouts(profiles, cluster, dtype)
+        self.layouts = TPLayouts(profiles, cluster, dtype, micro_batch=tp_graph_micro_batch)
         self._units: dict[tuple[int, bool, str, int], Units] = {}
 
     def estimate(self, st: Strategy) -> Estimate:

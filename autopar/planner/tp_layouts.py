@@ -104,12 +104,16 @@ LEAN_GAIN = 0.01
 
 class TPLayouts:
     """Strategy → the per-operator TP choice at its width (``layout_of``), solved once per
-    (tp, sp, objective) on the graph captured at micro-batch 1 (collective sizes scale with the
-    micro-batch); None at tp 1. The outer search prices tensor parallelism with what the chosen
+    (tp, sp, objective) on one captured graph (collective sizes scale with the micro-batch);
+    None at tp 1. The outer search prices tensor parallelism with what the chosen
     operators issue and keep, not with Megatron's count."""
 
-    def __init__(self, profiles: ModelProfiles, cluster: Cluster, dtype: str) -> None:
-        self.profiles, self.cluster, self.dtype = profiles, cluster, dtype
+    def __init__(
+        self, profiles: ModelProfiles, cluster: Cluster, dtype: str, *, micro_batch: int = 1
+    ) -> None:
+        """``micro_batch``: whose graph the per-operator ILPs are solved on (``profiles.at(b)``'s
+        capture; the search solves once, on micro-batch 1's)."""
+        self.profiles, self.cluster, self.dtype, self.micro_batch = profiles, cluster, dtype, micro_batch
         self._index: GraphIndex | None = None
         self.choices: dict[tuple[int, bool, str], list[tuple[int, tuple[Layer, ...], LayerTP]]] = {}
         self.solved: dict[tuple[int, bool, str], TPLayout] = {}
@@ -117,8 +121,10 @@ class TPLayouts:
 
     @property
     def graph(self) -> CapturedModel:
-        """The graph at micro-batch 1 (captured the first time a width above 1 is priced)."""
-        return self.profiles.captured(1)
+        """The graph the ILPs are solved on (captured the first time a width above 1 is priced)."""
+        graph = self.profiles.at(self.micro_batch).captured
+        assert graph is not None, "profiles keep the graph they were captured from"
+        return graph
 
     @property
     def index(self) -> GraphIndex:
