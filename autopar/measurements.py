@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from autopar.errors import AutoparError
+from autopar.files import write_atomic
 
 FORMAT_VERSION = 1
 """Version of both file formats; a file of another version is refused."""
@@ -257,10 +258,7 @@ def dumps(obj: ComputeProfile | CommProfile) -> str:
 
 def write(obj: ComputeProfile | CommProfile, path: str | os.PathLike[str]) -> None:
     """Write atomically (a temporary file renamed into place: nothing half-written on failure)."""
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:
-        f.write(dumps(obj))
-    os.replace(tmp, path)
+    write_atomic(path, dumps(obj))
 
 
 def _read(path: str | os.PathLike[str], what: str) -> Mapping[str, Any]:

@@ -125,7 +125,8 @@ class Terms:
 
 @dataclass(frozen=True, kw_only=True)
 class TPLayer:
-    """What the per-operator tensor-parallel choice of one layer type costs (``tp_choice``)."""
+    """What the per-operator tensor-parallel choice of one layer type costs (chosen by
+    ``planner.tp_ilp``, summed up by ``cost_models.tp.layout_of``)."""
 
     collectives: tuple[tuple[str, str, float], ...]
     """(kind, phase forward/backward, bytes per sequence) of each collective it issues per

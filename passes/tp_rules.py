@@ -12,7 +12,7 @@ A tensor on the TP axis is in one of three placements:
 one graph node, every (output placement → input placements) choice its rule allows,
 with the fraction of the compute each rank does and the collective the operator
 itself issues. Which ops are sharded and how is the planner's choice
-(``autopar.tp_choice``); the rewriting pass (``passes.tensor_parallel``) applies it.
+(``autopar.planner.tp_ilp``); the rewriting pass (``passes.tensor_parallel``) applies it.
 Unknown operators get the safe ``replicate`` rule: they still run, unsharded.
 """
 

@@ -13,7 +13,14 @@ PACKAGES = {"autopar": "autopar", "autopar.passes": "passes", "autopar.cost_mode
 """Installed package → folder (``passes/`` and ``cost_models/`` install under ``autopar``)."""
 
 LAYERS = [
-    ("autopar.errors", "autopar.units", "autopar.measurements", "autopar.cluster", "autopar.strategy"),
+    (
+        "autopar.errors",
+        "autopar.files",
+        "autopar.units",
+        "autopar.measurements",
+        "autopar.cluster",
+        "autopar.strategy",
+    ),
     ("autopar.plan", "autopar.request"),
     ("autopar.graph", "autopar.zoo"),
     ("autopar.passes",),

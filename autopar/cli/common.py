@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -98,17 +97,6 @@ def read_plan(path: str) -> Plan:
             return Plan.from_json(f.read())
     except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError, AutoparError) as e:
         raise AutoparError(f"can't read plan {path!r}: {e}") from None
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never half-written."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise AutoparError(f"can't write {path!r}: {e.strerror or e}") from None
 
 
 def print_json(data: Any) -> None:

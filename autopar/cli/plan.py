@@ -19,8 +19,8 @@ from autopar.cli.common import (
     positive,
     print_json,
     progress,
-    write_atomic,
 )
+from autopar.files import check_writable, write_atomic
 from autopar.plan import Plan
 from autopar.units import format_bytes
 
@@ -49,6 +49,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     from autopar.request import PlanRequest
     from autopar.zoo.spec import resolve
 
+    if args.out:
+        check_writable(args.out)  # before the work, not after it
     cluster = Cluster.load(args.cluster, nodes=args.nodes).from_profile(compute=args.profile, comm=args.comm)
     request = PlanRequest(
         model=args.model,

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from autopar.cli.common import positive, read_plan
 from autopar.errors import AutoparError
+from autopar.files import check_writable
 from autopar.units import parse_quantity
 
 
@@ -124,6 +125,7 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
     from autopar.measurements import dumps, write
     from autopar.zoo.spec import resolve
 
+    check_writable(args.out)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -187,6 +189,7 @@ def cmd_profile_comm(args: argparse.Namespace, console: Console) -> None:
             "profile-comm runs under torchrun: "
             "torchrun --nproc-per-node N -m autopar profile-comm --out comm.json"
         )
+    check_writable(args.out)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     init_distributed()

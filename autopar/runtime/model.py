@@ -22,6 +22,7 @@ from autopar.runtime.state import (
     load_local_state,
     local_state,
     map_dtensors,
+    named_params,
     placements_of,
     restride,
     unstride,
@@ -111,12 +112,25 @@ class ParallelModel:
     def train_step(self, batch: torch.Tensor) -> float:
         """Forward, backward over the plan's micro-batches, optimizer step; returns the mean loss
         over all data-parallel ranks. ``batch`` is this replica's share: global batch / dp rows."""
+        losses = self.backward(batch)
+        self.step()
+        return self._mean(losses)
+
+    def backward(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        """The first half of ``train_step``: forward and backward of every micro-batch, and the
+        gradients made whole (TP-partial and tied-weight sums); returns this rank's micro-batch
+        losses. ``full_grads`` can read the gradients now, before ``step`` applies them."""
         self._check_weights()
         agree_on_batch(batch, self.plan.strategy)
         losses = self.schedule.step(self, batch)
         reduce_partial_grads(self.partial_grads, self.tp_group)
         for tied in self.tied:  # embedding and head gradients of a tied weight add up
             reduce_partial_grads(tied.params, tied.group)
+        return losses
+
+    def step(self) -> None:
+        """The second half of ``train_step``: the optimizer step (through the loss scaler under
+        fp16), then the gradients cleared."""
         if self.scaler is not None:
             (opt,) = self.optimizer.optimizers  # fp16 runs without a pipeline: one stage
             self.scaler.step(opt)  # skipped when a gradient overflowed; then the scale halves
@@ -124,7 +138,28 @@ class ParallelModel:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self._mean(losses)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole gradient under the model's names, as the optimizer will apply it
+        (after ``backward``; zeros where a parameter got none; under fp16 still loss-scaled).
+        Collective: call on every rank."""
+        grads: dict[str, torch.Tensor] = {}
+        for stage in self.stages:
+            for name, p in named_params(stage).items():
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                grads[name] = g.detach().cpu().clone()
+        return self._with_aliases(self._from_every_stage(grads))
+
+    def _from_every_stage(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Under a pipeline, every stage's entries on every rank (one rank of each stage shares)."""
+        st = self.plan.strategy
+        if st.pp == 1:
+            return mine
+        share = mine if dist.get_rank() % (st.dp * st.tp) == 0 else {}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, share)
+        return {k: v for part in gathered for k, v in part.items()}
 
     @torch.no_grad()
     def eval_step(self, batch: torch.Tensor) -> float:
@@ -181,13 +216,7 @@ class ParallelModel:
         for stage in self.stages:
             sd = get_model_state_dict(stage, options=StateDictOptions(full_state_dict=True))
             full.update({fqn(k): v.detach().cpu() for k, v in sd.items() if isinstance(v, torch.Tensor)})
-        st = self.plan.strategy
-        if st.pp > 1:  # one rank of each pipeline stage shares its stage's weights
-            share = full if dist.get_rank() % (st.dp * st.tp) == 0 else {}
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, share)
-            full = {k: v for part in gathered for k, v in part.items()}
-        return self._with_aliases(full)
+        return self._with_aliases(self._from_every_stage(full))
 
 
 __all__ = ["ParallelModel"]

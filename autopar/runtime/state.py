@@ -77,7 +77,7 @@ def _is_zero1(opt: torch.optim.Optimizer) -> bool:
     return isinstance(opt, ZeroRedundancyOptimizer)
 
 
-def _named_params(stage: nn.Module) -> dict[str, nn.Parameter]:
+def named_params(stage: nn.Module) -> dict[str, nn.Parameter]:
     """The stage's parameters by the model's FQNs (inside DDP's wrapper, without recompute's)."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -108,7 +108,7 @@ def zero1_state(stage: nn.Module, opt: Any) -> dict[str, Any]:
     local = opt.optim  # ZeroRedundancyOptimizer's shard
     if not local.state:
         _create_optimizer_state(local)  # a fresh model: give DCP the tensors to load into
-    names = {p: n for n, p in _named_params(stage).items()}
+    names = {p: n for n, p in named_params(stage).items()}
     out = {f"state.{names[p]}.{k}": v for p, s in local.state.items() for k, v in s.items()}
     for g in opt.param_groups:
         out.update(
@@ -130,7 +130,7 @@ def _by_name(optim: dict[str, Any], section: str) -> dict[str, dict[str, Any]]:
 def load_zero1_state(stage: nn.Module, opt: Any, optim: dict[str, Any]) -> None:
     """Inverse of ``zero1_state``: this rank's parameters' state, every group's settings."""
     local = opt.optim
-    params = _named_params(stage)
+    params = named_params(stage)
     mine = {p for g in local.param_groups for p in g["params"]}
     for name, entry in _by_name(optim, "state").items():
         if params[name] in mine:
@@ -201,6 +201,7 @@ __all__ = [
     "load_zero1_state",
     "local_state",
     "map_dtensors",
+    "named_params",
     "placements_of",
     "restride",
     "unstride",

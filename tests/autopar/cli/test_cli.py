@@ -102,3 +102,18 @@ def test_clusters_lists_presets(capsys) -> None:
     ]
     assert main(["clusters"]) == 0
     assert "H100-SXM5-80GB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["plan", "profile"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(capsys, tmp_path, command) -> None:
+    """`--out` into a missing folder or onto a folder: exit 2 with one line, at once (no capture,
+    no planning), and nothing written, no temporary file left."""
+    args = {
+        "plan": ["plan", "gpt3-175b", "--cluster", "dgx-a100-80g", "--global-batch", "8"],
+        "profile": ["profile", "gpt2"],
+    }[command]
+    for out, message in ((tmp_path / "missing" / "p.json", "does not exist"), (tmp_path, "is a directory")):
+        assert main([*args, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no p.json, no *.tmp
