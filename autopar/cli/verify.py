@@ -28,7 +28,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--steps", type=positive, default=3, help="training steps to compare (default 3)")
     p.add_argument("--global-batch", type=positive, default=8, help="sequences per step (default 8)")
     p.add_argument("--seq", type=positive, default=32, help="sequence length (default 32)")
-    p.add_argument("--dtype", choices=DTYPES, default="fp32")
+    p.add_argument(
+        "--dtype",
+        choices=[*DTYPES, "fp64"],
+        default="fp32",
+        help="the plan's training dtype (default fp32; fp32 and fp64 plans are checked in float64)",
+    )
     add_constraint_flags(p.add_argument_group("plan options when no --plan is given (default: planned)"))
     p.add_argument(
         "--loss",
@@ -51,15 +56,16 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
     from autopar.planner import ModelProfiles, make_plan
     from autopar.request import PlanRequest
 
+    dtype = "fp32" if args.dtype == "fp64" else args.dtype  # fp32 plans are checked in float64
     plan = read_plan(args.plan) if args.plan else None
-    profiles = ModelProfiles.of(args.model, dtype=args.dtype, seq=plan.strategy.seq if plan else args.seq)
+    profiles = ModelProfiles.of(args.model, dtype=dtype, seq=plan.strategy.seq if plan else args.seq)
     if plan is None:
         request = PlanRequest(
             model=args.model,
             cluster=Cluster.load(args.cluster, gpus_per_node=args.nproc),
             global_batch=args.global_batch,
             seq=args.seq,
-            dtype=args.dtype,
+            dtype=dtype,
             constraints=constraints_from_args(args),
         )
         plan = make_plan(request, profiles).plan
@@ -76,26 +82,17 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
         optimizer=args.optimizer,
     )
     if args.json:
-        print_json(
-            {
-                "plan": plan.to_dict(),
-                "losses": report.losses,
-                "reference_losses": report.reference_losses,
-                "max_loss_diff": report.max_loss_diff,
-                "max_param_diff": report.max_param_diff,
-                "loss_tolerance": report.loss_tolerance,
-                "param_tolerance": report.param_tolerance,
-                "passed": report.passed,
-            }
-        )
+        print_json({"plan": plan.to_dict(), **report.to_dict()})
     else:
         console.print(plan.text())
         for i, (a, b) in enumerate(zip(report.losses, report.reference_losses, strict=True)):
             console.print(f"step {i}: loss {a:.6f}  reference {b:.6f}  diff {abs(a - b):.2e}")
+        loss_b, grad_b, param_b = report.bounds
         console.print(
-            f"max parameter diff {report.max_param_diff:.2e} (tolerance {report.param_tolerance:.0e}), "
-            f"max loss diff {report.max_loss_diff:.2e} (tolerance {report.loss_tolerance:.0e}): "
-            f"{'PASS' if report.passed else 'FAIL'}"
+            f"checked in {report.arithmetic}: gradients within {report.max_grad_error:.1e} of their norm "
+            f"(bound {grad_b:.1e}), parameters within {report.max_param_error:.1e} of their update "
+            f"(bound {param_b:.1e}), losses within {report.max_loss_error:.1e} (bound {loss_b:.1e}): "
+            + ("PASS" if report.passed else f"FAIL: {report.first_failure}")
         )
     if not report.passed:
         raise SystemExit(1)

@@ -8,9 +8,9 @@ up to floating-point reassociation of the gradient averages.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import AutoparError
+from autopar.measure.verdict import Trace, Verdict, judge
 from autopar.plan import Plan
 from autopar.runtime import check_runnable, lm_loss, parallelize
 from autopar.zoo.spec import build_model, load_factory
@@ -45,19 +46,30 @@ def run_reference(
     steps: int,
     loss_spec: str | None = None,
     optimizer: str = "adamw",
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train on the full batch ``data`` (steps × global batch × seq) in this process."""
+    *,
+    autocast: torch.dtype | None = None,
+) -> Trace:
+    """Train on the full batch ``data`` (steps × global batch × seq) in this process, recording
+    each step's loss, gradients and parameters (``autocast``: the forward under torch.autocast in
+    that dtype, for half-precision plans)."""
     loss_fn = resolve_loss(loss_spec)
     model = make_model()
     opt = OPTIMIZERS[optimizer](model.parameters(), lr=LR)
-    losses = []
+    named = list(model.named_parameters(remove_duplicate=False))  # a tied weight under each name
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    losses, grads, params = [], [], []
     for step in range(steps):
-        loss = loss_fn(model(data[step]), data[step])
+        with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+            loss = loss_fn(model(data[step]), data[step])
         loss.backward()
+        grads.append(
+            {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for n, p in named}
+        )
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        params.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return Trace(losses=losses, state=params[-1], grads=grads, params=params, initial=initial)
 
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
@@ -89,45 +101,59 @@ def dp_worker(
     out: str,
     loss_spec: str | None = None,
     optimizer: str = "adamw",
+    hooks: list[Callable[[], contextlib.AbstractContextManager[Any]] | None] | None = None,
 ) -> None:
     """One rank: run each plan (JSON) for ``steps`` steps on this rank's rows; rank 0 saves results.
     ``loss_spec`` names the loss (resolved here: user modules don't pickle). The functional
-    collectives of the first step are counted (``collectives``: op name → count)."""
+    collectives of the first step are counted (``collectives``: op name → count). ``hooks``: per
+    plan, a context manager (factory) the plan runs inside — the suite's mutations, which break a
+    plan on purpose to show the verdict fails."""
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
     )
     torch.set_num_threads(1)
     results: list[dict[str, Any]] = []
     try:
-        for text in plans:
+        for text, hook in zip(plans, hooks or [None] * len(plans), strict=True):
             plan = Plan.from_json(text)
-            pm = parallelize(
-                make_model(),
-                plan,
-                loss_fn=resolve_loss(loss_spec),
-                optimizer_cls=OPTIMIZERS[optimizer],
-                optimizer_kwargs={"lr": LR},
+            with hook() if hook else contextlib.nullcontext():
+                pm = parallelize(
+                    make_model(),
+                    plan,
+                    loss_fn=resolve_loss(loss_spec),
+                    optimizer_cls=OPTIMIZERS[optimizer],
+                    optimizer_kwargs={"lr": LR},
+                )
+                result = _traced_steps(pm, data, steps)
+            result["checkpoint_exact"] = _checkpoint_round_trip(
+                pm, make_model, plan, f"{out}.dcp{len(results)}", optimizer
             )
-            local, at = plan.strategy.global_batch // plan.strategy.dp, pm.dp_rank
-            comm = CollectiveCounter()
-            with comm:
-                losses = [pm.train_step(data[0, at * local : (at + 1) * local])]
-            losses += [pm.train_step(data[step, at * local : (at + 1) * local]) for step in range(1, steps)]
-            state = pm.full_state_dict()
-            results.append(
-                {
-                    "losses": losses,
-                    "collectives": dict(comm.counts),
-                    "state": {k: v.detach().clone() for k, v in state.items()},
-                    "checkpoint_exact": _checkpoint_round_trip(
-                        pm, make_model, plan, f"{out}.dcp{len(results)}", optimizer
-                    ),
-                }
-            )
+            results.append(result)
         if rank == 0:
             torch.save(results, out)
     finally:
         dist.destroy_process_group()
+
+
+def _traced_steps(pm: Any, data: torch.Tensor, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps on this rank's rows of ``data``, recording what ``Trace`` holds; the
+    functional collectives of the first step are counted (``collectives``: op name → count)."""
+    st = pm.plan.strategy
+    local, at = st.global_batch // st.dp, pm.dp_rank
+    comm = CollectiveCounter()
+    out: dict[str, Any] = {"losses": [], "grads": [], "params": []}
+    for step in range(steps):
+        with comm if step == 0 else contextlib.nullcontext():
+            micro = pm.backward(data[step, at * local : (at + 1) * local])
+        scale = float(pm.scaler.get_scale()) if pm.scaler is not None else 1.0
+        out["grads"].append({k: g / scale for k, g in pm.full_grads().items()})
+        with comm if step == 0 else contextlib.nullcontext():
+            pm.step()
+        out["losses"].append(pm.mean_loss(micro))
+        out["params"].append({k: v.detach().clone() for k, v in pm.full_state_dict().items()})
+    out["collectives"] = dict(comm.counts)
+    out["state"] = out["params"][-1]
+    return out
 
 
 def _checkpoint_round_trip(
@@ -165,50 +191,42 @@ def spawn_plans(
     *,
     loss_spec: str | None = None,
     optimizer: str = "adamw",
+    hooks: list[Callable[[], contextlib.AbstractContextManager[Any]] | None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every plan (same world size) on local gloo processes, one launch; rank 0's results."""
+    """Run every plan (same world size) on local gloo processes, one launch; rank 0's results
+    (``hooks``: see ``dp_worker``)."""
     import torch.multiprocessing as mp
 
     world = plans[0].strategy.world_size
     assert all(p.strategy.world_size == world for p in plans), "one launch runs one world size"
     out = f"{tmp}/results.pt"
     args = (world, f"file://{tmp}/init", make_model, [p.to_json() for p in plans], data, data.shape[0], out)
-    mp.spawn(dp_worker, args=(*args, loss_spec, optimizer), nprocs=world, join=True)
+    mp.spawn(dp_worker, args=(*args, loss_spec, optimizer, hooks), nprocs=world, join=True)
     results: list[dict[str, Any]] = torch.load(out)
     return results
 
 
-def compare(
-    reference: tuple[list[float], dict[str, torch.Tensor]], result: dict[str, Any]
-) -> tuple[float, float]:
-    """(largest loss difference over the steps, largest parameter difference) against
-    ``run_reference``'s output; every reference parameter must be in the result."""
-    ref_losses, ref_state = reference
-    gap = max(abs(a - b) for a, b in zip(result["losses"], ref_losses, strict=True))
-    missing = sorted(set(ref_state) - set(result["state"]))
+def compare(reference: Trace, result: dict[str, Any]) -> tuple[float, float]:
+    """(largest loss difference over the steps, largest parameter difference after the last
+    step) against ``run_reference``'s output; every reference parameter must be in the result."""
+    gap = max(abs(a - b) for a, b in zip(result["losses"], reference.losses, strict=True))
+    missing = sorted(set(reference.state) - set(result["state"]))
     if missing:
         raise AutoparError(f"the distributed run returned no {missing[0]!r}")
-    worst = max((result["state"][k] - v).abs().max().item() for k, v in ref_state.items())
+    worst = max((result["state"][k] - v).abs().max().item() for k, v in reference.state.items())
     return gap, worst
 
 
-@dataclass(frozen=True, kw_only=True)
-class VerifyReport:
-    """Distributed run vs single process, step by step."""
+def build_for_check(spec: str, arithmetic: str) -> nn.Module:
+    """MODEL ``spec`` with real weights (seeded), in float64 for a ``float64`` check."""
+    model = build_model(spec)
+    return model.double() if arithmetic == "float64" else model
 
-    losses: list[float]
-    reference_losses: list[float]
-    max_param_diff: float
-    loss_tolerance: float
-    param_tolerance: float
 
-    @property
-    def max_loss_diff(self) -> float:
-        return max(abs(a - b) for a, b in zip(self.losses, self.reference_losses, strict=True))
-
-    @property
-    def passed(self) -> bool:
-        return self.max_loss_diff <= self.loss_tolerance and self.max_param_diff <= self.param_tolerance
+def arithmetic_of(dtype: str) -> str:
+    """What a plan of ``dtype`` is checked in: fp32 (and fp64) plans in float64, half-precision
+    ones in their own dtype."""
+    return "float64" if dtype in ("fp32", "fp64") else dtype
 
 
 def verify_plan(
@@ -220,9 +238,9 @@ def verify_plan(
     vocab: int,
     loss_spec: str | None = None,
     optimizer: str = "adamw",
-) -> VerifyReport:
-    """Run ``plan`` on ``nproc`` local gloo processes and the single-process reference, both
-    with ``optimizer`` (``OPTIMIZERS``)."""
+) -> Verdict:
+    """Run ``plan`` on ``nproc`` local gloo processes and the single-process reference on the same
+    tokens, both with ``optimizer`` (``OPTIMIZERS``), and judge the run (``verdict``)."""
     import functools
     import tempfile
 
@@ -230,23 +248,16 @@ def verify_plan(
     if st.world_size != nproc:
         raise AutoparError(f"the plan is for {st.world_size} processes but --nproc is {nproc}")
     check_runnable(plan)
-    make = functools.partial(build_model, spec)
+    arithmetic = arithmetic_of(st.dtype)
+    make = functools.partial(build_for_check, spec, arithmetic)
     data = torch.randint(
         0, vocab, (steps, st.global_batch, st.seq), generator=torch.Generator().manual_seed(1)
     )
     with tempfile.TemporaryDirectory() as tmp:
         result = spawn_plans(make, [plan], data, tmp, loss_spec=loss_spec, optimizer=optimizer)[0]
-    reference = run_reference(make, data, steps, loss_spec, optimizer=optimizer)
-    _, diff = compare(reference, result)
-    # fp32: gradient averages are re-associated across ranks and micro-batches; bf16 rounds them
-    loose = st.dtype != "fp32"
-    return VerifyReport(
-        losses=result["losses"],
-        reference_losses=reference[0],
-        max_param_diff=diff,
-        loss_tolerance=5e-2 if loose else 1e-4,
-        param_tolerance=5e-2 if loose else 1e-3,
-    )
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(arithmetic)
+    reference = run_reference(make, data, steps, loss_spec, optimizer=optimizer, autocast=half)
+    return judge(reference, result, arithmetic)
 
 
 def bad_batch_worker(rank: int, world: int, init_method: str, plan_json: str, out: str) -> None:

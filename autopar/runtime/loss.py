@@ -19,7 +19,10 @@ def lm_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
     logits = output.logits if hasattr(output, "logits") else output
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         raise AutoparError("the default loss needs logits of shape (batch, seq, vocab); pass loss_fn=")
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+    flat = logits[:, :-1].flatten(0, 1)
+    if flat.dtype not in (torch.float32, torch.float64):  # half-precision logits: fp32 softmax
+        flat = flat.float()
+    return F.cross_entropy(flat, tokens[:, 1:].flatten())
 
 
 def scalar(x: Any) -> Any:

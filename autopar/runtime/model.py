@@ -91,13 +91,13 @@ class ParallelModel:
             stack.enter_context(loss_parallel())
         return stack
 
-    def _mean(self, losses: list[torch.Tensor]) -> float:
+    def mean_loss(self, losses: list[torch.Tensor]) -> float:
         """The mean loss over all data-parallel replicas (each rank holding the last stage adds
         its micro-batches' mean; the dp·tp of them divide)."""
         st = self.plan.strategy
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float64)
         for loss in losses:
-            total += loss
+            total += loss.double()
         mean = total / max(1, len(losses))
         dist.all_reduce(mean)  # SUM: gloo has no AVG
         return float(mean) / (st.dp * st.tp)
@@ -114,7 +114,7 @@ class ParallelModel:
         over all data-parallel ranks. ``batch`` is this replica's share: global batch / dp rows."""
         losses = self.backward(batch)
         self.step()
-        return self._mean(losses)
+        return self.mean_loss(losses)
 
     def backward(self, batch: torch.Tensor) -> list[torch.Tensor]:
         """The first half of ``train_step``: forward and backward of every micro-batch, and the
@@ -165,7 +165,7 @@ class ParallelModel:
     def eval_step(self, batch: torch.Tensor) -> float:
         """Mean loss of this replica's batch over all ranks, without gradients or updates."""
         self._check_weights()
-        return self._mean(self.schedule.eval(self, batch))
+        return self.mean_loss(self.schedule.eval(self, batch))
 
     def _with_aliases(self, state: dict[str, Any]) -> dict[str, Any]:
         return {alias: v for k, v in state.items() for alias in self.aliases.get(k, (k,))}

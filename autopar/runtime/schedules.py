@@ -62,13 +62,13 @@ class LocalSchedule:
                 if runner.scaler is not None:
                     scaled = runner.scaler.scale(scaled)
                 scaled.backward()
-            losses.append(scalar(loss).detach().float())
+            losses.append(scalar(loss).detach())
         return losses
 
     def eval(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
         with runner.precision():  # a captured graph runs one micro-batch at a time
             return [
-                scalar(runner.loss_fn(self.module(micro), micro)).detach().float()
+                scalar(runner.loss_fn(self.module(micro), micro)).detach()
                 for micro in batch.split(self.micro_batch)
             ]
 
@@ -85,7 +85,7 @@ class PipelineSchedule:
         with runner.precision():
             args = (batch,) if self.first else ()
             run(*args, target=batch if self.last else None, losses=losses)
-        return [scalar(x).detach().float() for x in losses]
+        return [scalar(x).detach() for x in losses]
 
     def step(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
         return self._run(runner, lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), batch)

@@ -143,7 +143,7 @@ def test_planner_made_plan_runs_through_verify(capsys, tmp_path) -> None:
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"], report
     assert Plan.from_dict(report["plan"]) == made
-    diffs = f"loss diff {report['max_loss_diff']:.1e}, param diff {report['max_param_diff']:.1e}"
+    diffs = f"gradient error {report['max_grad_error']:.1e}, parameter error {report['max_param_error']:.1e}"
     print(f"verify of the planner's plan ({made.text().splitlines()[0]}): {diffs}")
 
 

@@ -1,0 +1,214 @@
+"""Whether a distributed run trained like one process: the verdict of ``autopar verify``.
+
+Both runs record, at every step, the loss, every parameter's gradient just before the optimizer
+applies it, and every parameter just after (``Trace``). The verdict compares what a plan
+changes — how gradients are computed, reduced and applied — and nothing else:
+
+- gradient of each parameter at step k: ‖g − g_ref‖ / ‖g_ref‖ (a parameter the reference
+  leaves without gradient must get none);
+- each parameter after step k, against its own update: ‖p − p_ref‖ / ‖p_ref(k) − p_ref(k−1)‖,
+  so a parameter that did not train, or trained half, cannot pass however small its update;
+- the loss at step k: |l − l_ref| / |l_ref|.
+
+Each error must stay within the bound of the arithmetic both sides ran in (``BOUNDS``). fp32
+plans are checked in float64 (their math has no precision-specific path, and float64 makes the
+rounding of re-associated reductions — ~1e-16 per operation — far smaller than any real defect:
+a lost 1/m, a SUM for an average, a missing all-reduce all give errors of order 1); the bound is
+√ε of float64, 1.5e-8, for gradients and parameters, and 1e-6 for the loss (a user's loss may
+compute in float32: ``F.cross_entropy(logits.float(), …)`` rounds to 1.2e-7). Half-precision
+plans are compared with a single process under autocast in the same dtype, within bounds
+measured on the suite's models with margin (below). The first step and parameter past its bound
+is named.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+SQRT_EPS64 = math.sqrt(torch.finfo(torch.float64).eps)
+"""1.5e-8: half of float64's digits."""
+
+BOUNDS: dict[str, tuple[float, float, float]] = {
+    "float64": (1e-6, SQRT_EPS64, SQRT_EPS64),
+    "bf16": (1e-2, 0.25, 0.5),
+    "fp16": (1e-2, 0.25, 0.5),
+}
+"""Arithmetic → (loss, gradient, parameter) relative bounds. Half precision (FSDP2's bf16
+parameters round whole layers, autocast only matmul inputs): the loss within 1% and each gradient
+within 25% of its norm (measured on a default-initialised 4-block GPT under DDP, ZeRO-1, FSDP2,
+TP2 and PP2, 3 AdamW steps: at most 1.9e-4 and 5.3e-2); a halved or doubled gradient exceeds it.
+Parameters only have to move where the reference's do (see ``_Judge.param``)."""
+
+
+class Trace(NamedTuple):
+    """One run, step by step (parameters and gradients under the model's own names)."""
+
+    losses: list[float]
+    """Mean loss of each step."""
+    state: dict[str, torch.Tensor]
+    """The parameters after the last step."""
+    grads: list[dict[str, torch.Tensor]]
+    """Each step's gradients, as the optimizer applies them (unscaled)."""
+    params: list[dict[str, torch.Tensor]]
+    """The parameters after each step."""
+    initial: dict[str, torch.Tensor]
+    """The parameters before the first step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """Distributed run against the single-process reference."""
+
+    arithmetic: str
+    """What both sides computed in: ``float64``, ``bf16`` or ``fp16``."""
+    losses: list[float]
+    reference_losses: list[float]
+    max_loss_error: float
+    """Largest relative loss difference over the steps."""
+    max_grad_error: float
+    """Largest relative gradient difference over steps and parameters."""
+    max_param_error: float
+    """Largest parameter difference relative to that parameter's update, over the steps."""
+    worst_by_group: dict[str, float] = field(default_factory=dict)
+    """Largest relative gradient error of each layer (``blocks.3``, ``wte``, …)."""
+    first_failure: str | None = None
+    """The first step and parameter past its bound, in words; None when it passed."""
+
+    @property
+    def bounds(self) -> tuple[float, float, float]:
+        return BOUNDS[self.arithmetic]
+
+    @property
+    def passed(self) -> bool:
+        return self.first_failure is None
+
+    def to_dict(self) -> dict[str, Any]:
+        loss_b, grad_b, param_b = self.bounds
+        return {
+            "arithmetic": self.arithmetic,
+            "losses": self.losses,
+            "reference_losses": self.reference_losses,
+            "max_loss_error": self.max_loss_error,
+            "max_grad_error": self.max_grad_error,
+            "max_param_error": self.max_param_error,
+            "bounds": {"loss": loss_b, "grad": grad_b, "param": param_b},
+            "worst_grad_error_by_layer": self.worst_by_group,
+            "first_failure": self.first_failure,
+            "passed": self.passed,
+        }
+
+
+GRAD_FLOOR, UPDATE_FLOOR = 1e-6, 0.1
+"""A parameter's gradient (update) is measured against at least this share of the model's
+root-mean-square one, scaled to the parameter's size: a gradient that is rounding noise (a key
+bias's: softmax ignores it, so its true gradient is 0), and the noise-sized Adam step it makes,
+are compared with the model's scale instead of with themselves."""
+
+
+def relative(diff: torch.Tensor, scale: torch.Tensor, floor: float = 0.0) -> float:
+    """‖diff‖ / max(‖scale‖, floor) in float64; 0 when both vanish, ∞ when only the scale does."""
+    d, s = float(diff.double().norm()), max(float(scale.double().norm()), floor)
+    if s == 0.0:
+        return 0.0 if d == 0.0 else math.inf
+    return d / s
+
+
+def _rms(tensors: list[torch.Tensor]) -> float:
+    """Root mean square over the elements of ``tensors``."""
+    count = sum(t.numel() for t in tensors)
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors) / max(count, 1))
+
+
+def _group(name: str) -> str:
+    """The layer a parameter belongs to: its path up to the first number (``blocks.3``), else
+    its first component."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return parts[0]
+
+
+class _Judge:
+    """Running maxima and the first failure, in step order."""
+
+    def __init__(self, arithmetic: str) -> None:
+        self.arithmetic = arithmetic
+        self.loss_b, self.grad_b, self.param_b = BOUNDS[arithmetic]
+        self.worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+        self.by_group: dict[str, float] = {}
+        self.first: str | None = None
+
+    def check(self, kind: str, err: float, bound: float, where: str) -> None:
+        self.worst[kind] = max(self.worst[kind], err)
+        if err > bound and self.first is None:
+            self.first = f"{where} differs by {err:.1e} (bound {bound:.1e})"
+
+    def step(self, k: int, ref: Trace, got: dict[str, Any]) -> None:
+        """Step k: gradients first (they name the parameter a defect reaches), then parameters,
+        then the loss."""
+        before = ref.params[k - 1] if k else ref.initial
+        rms = _rms(list(ref.grads[k].values()))
+        for name, g_ref in ref.grads[k].items():
+            g = got["grads"][k].get(name)
+            if g is None:
+                self.first = self.first or f"step {k}: the run has no gradient for {name!r}"
+                continue
+            err = relative(g - g_ref, g_ref, GRAD_FLOOR * rms * math.sqrt(g_ref.numel()))
+            self.by_group[_group(name)] = max(self.by_group.get(_group(name), 0.0), err)
+            self.check("grad", err, self.grad_b, f"step {k}: the gradient of {name!r} (relative to its norm)")
+        updates = {n: ref.params[k][n] - before[n] for n in ref.grads[k]}  # parameters, not buffers
+        rms = _rms(list(updates.values()))
+        for name, ref_update in updates.items():
+            p = got["params"][k].get(name)
+            if p is not None:  # (a missing one is named above)
+                floor = UPDATE_FLOOR * rms * math.sqrt(ref_update.numel())
+                self.param(k, name, p - before[name], ref_update, floor)
+        ref_loss, loss = ref.losses[k], got["losses"][k]
+        self.check(
+            "loss", abs(loss - ref_loss) / max(abs(ref_loss), 1e-30), self.loss_b, f"step {k}: the loss"
+        )
+
+    def param(self, k: int, name: str, update: torch.Tensor, ref_update: torch.Tensor, floor: float) -> None:
+        """float64: the step's difference relative to the reference's update. Half precision: only
+        that the parameter moved where the reference's did (an Adam-style step normalises each
+        element, so rounding in a near-zero gradient — a key bias's, whose true gradient is 0 —
+        becomes a ±lr move of either sign: the gradients are what is compared there)."""
+        if self.arithmetic == "float64":
+            err = relative(update - ref_update, ref_update, floor)
+            self.check(
+                "param", err, self.param_b, f"step {k}: {name!r} after the step (relative to its update)"
+            )
+            return
+        frozen = float(update.double().norm()) == 0.0 < float(ref_update.double().norm())
+        self.check(
+            "param", 1.0 if frozen else 0.0, self.param_b, f"step {k}: {name!r} did not move; its update"
+        )
+
+
+def judge(reference: Trace, result: dict[str, Any], arithmetic: str) -> Verdict:
+    """The verdict on ``result`` (a distributed run's ``losses``, ``grads`` and ``params`` per
+    step) against ``reference``, within the bounds of ``arithmetic``."""
+    j = _Judge(arithmetic)
+    missing = sorted(set(reference.state) - set(result["params"][-1]))
+    if missing:
+        j.first = f"the distributed run returned no {missing[0]!r}"
+    for k in range(len(reference.losses)):
+        j.step(k, reference, result)
+    return Verdict(
+        arithmetic=arithmetic,
+        losses=list(result["losses"]),
+        reference_losses=list(reference.losses),
+        max_loss_error=j.worst["loss"],
+        max_grad_error=j.worst["grad"],
+        max_param_error=j.worst["param"],
+        worst_by_group=dict(sorted(j.by_group.items())),
+        first_failure=j.first,
+    )
+
+
+__all__ = ["BOUNDS", "Trace", "Verdict", "judge", "relative"]

@@ -1,0 +1,181 @@
+"""The verify verdict: correct plans pass in float64 and in half precision (AdamW, PyTorch's default
+initialisation); plans broken on purpose fail and the verdict names the step and parameter."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+import torch
+
+import autopar
+from autopar import Cluster, Constraints
+from autopar.measure.verdict import BOUNDS, Trace, judge
+from autopar.measure.verify import run_reference, spawn_plans
+from autopar.plan import Plan
+from autopar.strategy import SHARDING
+from autopar.zoo import GPT, GPTConfig
+
+STEPS, BATCH, SEQ = 3, 8, 16
+
+
+def default_init_gpt(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    """A 4-block GPT (tied embedding and head) with PyTorch's default initialisation, wide
+    enough that the per-operator ILP shards it at tp 2."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=256, n_head=4, vocab_size=96, block_size=SEQ))
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    return model.to(dtype)
+
+
+def _plan(dtype: str = "fp32", **knobs) -> Plan:
+    with torch.device("meta"):
+        meta = default_init_gpt(torch.float32)
+    cons = Constraints(**{"micro_batch": 2, "recompute": ("none",), **knobs})
+    cluster = Cluster.preset("cpu", gpus_per_node=2)
+    return autopar.plan(meta, cluster, global_batch=BATCH, seq_len=SEQ, dtype=dtype, constraints=cons)
+
+
+# ---- mutations: each breaks a plan on purpose (run inside the worker around the plan) --------
+
+
+def _scale_grads_after_backward(factor_of) -> contextlib.AbstractContextManager[None]:
+    from autopar.runtime.model import ParallelModel
+
+    original = ParallelModel.backward
+
+    def backward(self, batch):
+        losses = original(self, batch)
+        for stage in self.stages:
+            for p in stage.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor_of(self.plan.strategy))
+        return losses
+
+    return mock.patch.object(ParallelModel, "backward", backward)
+
+
+@contextlib.contextmanager
+def sum_dp_gradients() -> Iterator[None]:
+    """The data-parallel gradients summed instead of averaged."""
+    with _scale_grads_after_backward(lambda st: st.dp):
+        yield
+
+
+@contextlib.contextmanager
+def forget_micro_batch_division() -> Iterator[None]:
+    """Each micro-batch's loss not divided by the number of micro-batches."""
+    with _scale_grads_after_backward(lambda st: st.micro_batches):
+        yield
+
+
+@contextlib.contextmanager
+def drop_tp_all_reduce() -> Iterator[None]:
+    """Megatron's g (the row-parallel output all-reduce) left out."""
+    from autopar.passes.tp_collectives import _Reduce
+
+    with mock.patch.object(_Reduce, "forward", staticmethod(lambda ctx, x, group: x.clone())):
+        yield
+
+
+@contextlib.contextmanager
+def skip_tied_gradient_sum() -> Iterator[None]:
+    """The tied embedding/head gradients not summed across the pipeline stages."""
+    with mock.patch("autopar.runtime.apply_tied_groups", lambda *args, **kwargs: []):
+        yield
+
+
+@contextlib.contextmanager
+def double_loss_scale_on_one_rank() -> Iterator[None]:
+    """fp16: rank 1 scales its loss twice as much as the scaler says."""
+    import torch.distributed as dist
+
+    original = torch.amp.GradScaler.scale
+
+    def scale(self, outputs):
+        scaled = original(self, outputs)
+        return scaled * 2 if dist.get_rank() == 1 else scaled
+
+    with mock.patch.object(torch.amp.GradScaler, "scale", scale):
+        yield
+
+
+def _launch(make, plans, hooks, dtype, tmp_path):
+    data = torch.randint(0, 96, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    results = spawn_plans(make, plans, data, str(tmp_path), hooks=hooks)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    reference = run_reference(make, data, STEPS, autocast=half)
+    return [judge(reference, got, "float64" if half is None else dtype) for got in results]
+
+
+def test_correct_plans_pass_and_broken_ones_fail_naming_the_parameter(tmp_path) -> None:
+    ddp, pp = _plan(tp=1, pp=1, dp=2, zero=0), _plan(tp=1, pp=2, dp=1)
+    tp = _plan(tp=2, pp=1, dp=1, sequence_parallel=False)  # row-parallel outputs all-reduced (g)
+    assert any(n in SHARDING for _, ops in tp.tensor_parallel for _, n, _ in ops)  # TP really shards
+    assert ddp.strategy.micro_batches == 2
+    cases = [
+        (ddp, None),
+        (ddp, sum_dp_gradients),
+        (ddp, forget_micro_batch_division),
+        (tp, None),
+        (tp, drop_tp_all_reduce),
+        (pp, None),
+        (pp, skip_tied_gradient_sum),
+    ]
+    verdicts = _launch(default_init_gpt, [p for p, _ in cases], [h for _, h in cases], "fp32", tmp_path)
+    for (plan, hook), v in zip(cases, verdicts, strict=True):
+        name = hook.__name__ if hook else "correct"
+        print(
+            f"{plan.text().splitlines()[0]} [{name}]: grad error {v.max_grad_error:.1e} -> {v.first_failure}"
+        )
+        if hook is None:
+            assert v.passed and v.max_grad_error <= BOUNDS["float64"][1], (name, v.first_failure)
+        else:
+            assert not v.passed and "step 0" in str(v.first_failure) and "'" in str(v.first_failure), name
+    assert "wte.weight" in str(verdicts[-1].first_failure) or "lm_head" in str(verdicts[-1].first_failure)
+
+
+def test_half_precision_plan_passes_and_a_wrong_loss_scale_fails(tmp_path) -> None:
+    plan = _plan(dtype="fp16", tp=1, pp=1, dp=2, zero=0)
+    make = functools.partial(default_init_gpt, torch.float32)
+    good, bad = _launch(make, [plan, plan], [None, double_loss_scale_on_one_rank], "fp16", tmp_path)
+    print(
+        f"fp16 DDP: grad error {good.max_grad_error:.1e}; one rank's loss scale doubled: {bad.first_failure}"
+    )
+    assert good.passed, good.first_failure
+    assert not bad.passed and "gradient of" in str(bad.first_failure)
+
+
+def _trace(grads: dict[str, torch.Tensor], lr: float = 0.1) -> Trace:
+    before = {k: torch.zeros_like(v) for k, v in grads.items()}
+    after = {k: -lr * g for k, g in grads.items()}
+    return Trace(losses=[1.0], state=after, grads=[grads], params=[after], initial=before)
+
+
+def test_the_verdict_is_relative_to_each_parameter_and_names_it() -> None:
+    ref = _trace({"big": torch.ones(100), "small": torch.full((4,), 1e-6)})
+
+    def run(grads: dict[str, torch.Tensor], params: dict[str, torch.Tensor] | None = None) -> dict:
+        after = params if params is not None else _trace(grads).params[0]
+        return {"losses": [1.0], "grads": [grads], "params": [after]}
+
+    assert judge(ref, run(ref.grads[0]), "float64").passed
+    halved = {"big": torch.ones(100), "small": torch.full((4,), 5e-7)}  # tiny against "big", yet wrong
+    v = judge(ref, run(halved), "float64")
+    assert not v.passed and "'small'" in str(v.first_failure) and "gradient" in str(v.first_failure)
+    frozen = {"big": ref.params[0]["big"], "small": torch.zeros(4)}  # right gradient, never applied
+    v = judge(ref, run(ref.grads[0], frozen), "float64")
+    assert not v.passed and "'small'" in str(v.first_failure) and "after the step" in str(v.first_failure)
+    assert not judge(ref, run({"big": torch.ones(100)}), "float64").passed  # a missing gradient
+    assert not judge(ref, run(ref.grads[0], frozen), "bf16").passed  # did not move at all
+
+
+@pytest.mark.parametrize("arithmetic", ["float64", "bf16", "fp16"])
+def test_bounds_are_stated_per_arithmetic(arithmetic: str) -> None:
+    loss, grad, param = BOUNDS[arithmetic]
+    assert 0 < grad < 1 and 0 < loss < 1 and 0 < param <= 0.5
