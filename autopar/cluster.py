@@ -184,8 +184,21 @@ class Cluster:
                 data = yaml.safe_load(f)
         except FileNotFoundError:
             raise ClusterSpecError(f"cluster file {os.fspath(path)!r} does not exist") from None
-        except yaml.YAMLError as e:
-            raise ClusterSpecError(f"cluster file {os.fspath(path)!r} is not valid YAML: {e}") from None
+        except IsADirectoryError:
+            raise ClusterSpecError(
+                f"cluster file {os.fspath(path)!r} is a directory; give a YAML file"
+            ) from None
+        except OSError as e:
+            raise ClusterSpecError(
+                f"can't read cluster file {os.fspath(path)!r}: {e.strerror or e}"
+            ) from None
+        except yaml.YAMLError as e:  # one line: where, and what PyYAML found
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ClusterSpecError(
+                f"cluster file {os.fspath(path)!r} is not valid YAML{where}: {problem}"
+            ) from None
         if data is None:
             raise ClusterSpecError(f"cluster file {os.fspath(path)!r} is empty")
         if isinstance(data, dict):  # profile paths are relative to the YAML file
@@ -218,7 +231,7 @@ class Cluster:
     @classmethod
     def load(cls, spec: str, *, nodes: int | None = None, gpus_per_node: int | None = None) -> Cluster:
         """A preset name or a YAML path (as the CLI's CLUSTER argument), with overrides."""
-        if spec.endswith((".yaml", ".yml")) or os.path.sep in spec:
+        if spec.endswith((".yaml", ".yml")) or os.path.sep in spec or os.path.exists(spec):
             cluster = cls.from_yaml(spec)
             if gpus_per_node is not None:
                 cluster = dataclasses.replace(cluster, gpus_per_node=gpus_per_node)

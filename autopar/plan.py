@@ -100,6 +100,11 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
         """Inverse of ``to_dict``; a malformed plan is a one-line ``AutoparError``."""
+        if not isinstance(d, dict):
+            raise AutoparError(
+                f"not a plan: expected a JSON object, got {type(d).__name__}; "
+                "is this a plan written by `autopar plan --out`?"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         missing = sorted(known - set(d) - {"solve_time_s", "optimality_gap", "tensor_parallel"})
@@ -108,6 +113,17 @@ class Plan:
                 f"unknown plan field {unknown[0]!r}" if unknown else f"plan field {missing[0]!r} is missing"
             )
             raise AutoparError(f"{what}; is this a plan written by `autopar plan --out`?")
+        try:
+            return cls._build(d)
+        except AutoparError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise AutoparError(
+                f"malformed plan ({type(e).__name__}: {e}); is this a plan written by `autopar plan --out`?"
+            ) from None
+
+    @classmethod
+    def _build(cls, d: dict[str, Any]) -> Plan:
         return cls(
             model=d["model"],
             cluster=d["cluster"],
@@ -140,7 +156,14 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        return cls.from_dict(json.loads(text))
+        """Inverse of ``to_json``; text that is not a plan is a one-line ``AutoparError``."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise AutoparError(
+                f"not a plan: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+            ) from None
+        return cls.from_dict(data)
 
     @property
     def hash(self) -> str:

@@ -52,6 +52,10 @@ class Constraints:
             raise AutoparError(
                 f"tp_objective must be one of {', '.join(TP_OBJECTIVES)}, got {self.tp_objective!r}"
             )
+        if self.memory_cap_bytes is not None and not self.memory_cap_bytes > 0:
+            raise AutoparError(f"memory_cap_bytes must be positive, got {self.memory_cap_bytes!r}")
+        if self.reserve_bytes is not None and not self.reserve_bytes >= 0:
+            raise AutoparError(f"reserve_bytes must be non-negative, got {self.reserve_bytes!r}")
         if not self.recompute or any(r not in RECOMPUTE for r in self.recompute):
             raise AutoparError(
                 f"recompute takes a non-empty subset of {', '.join(RECOMPUTE)}, got {self.recompute!r}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -22,10 +22,15 @@ from autopar.errors import AutoparError
 from autopar.units import format_bytes, format_si
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line (``autopar plan: error: …``) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="autopar", description="Plan and run parallel training for a PyTorch model."
-    )
+    parser = _Parser(prog="autopar", description="Plan and run parallel training for a PyTorch model.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     estimate.add_parsers(sub)  # inspect, estimate
     plan.add_parser(sub)

@@ -30,6 +30,27 @@ def positive(text: str) -> int:
     return value
 
 
+def _number(text: str, *, allow_zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 0 if allow_zero else value > 0) or value != value or value == float("inf"):
+        kind = "non-negative" if allow_zero else "positive"
+        raise argparse.ArgumentTypeError(f"expected a {kind} finite number, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a positive finite number (a time limit, a memory cap)."""
+    return _number(text, allow_zero=False)
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a non-negative finite number (memory kept back)."""
+    return _number(text, allow_zero=True)
+
+
 def add_json_flag(p: argparse.ArgumentParser, what: str = "a table") -> None:
     p.add_argument("--json", action="store_true", help=f"print JSON instead of {what}")
 

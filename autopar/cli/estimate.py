@@ -16,6 +16,7 @@ from autopar.cli.common import (
     add_json_flag,
     add_measured_flags,
     count,
+    non_negative_float,
     positive,
     print_json,
     progress,
@@ -63,7 +64,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument(
         "--reserve-gib",
-        type=float,
+        type=non_negative_float,
         default=None,
         help="memory kept back per GPU (default 1 GiB + 5%% of device memory)",
     )
@@ -74,10 +75,10 @@ def add_parsers(sub: Any) -> None:
 def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
     from autopar.graph import capture
     from autopar.measure.inspection import report
-    from autopar.zoo.spec import resolve
+    from autopar.zoo.spec import model_seq, resolve
 
     resolved = resolve(args.model, dtype=args.dtype)
-    seq = args.seq or resolved.default_seq
+    seq = model_seq(args.model, args.seq, dtype=args.dtype)
     progress(args, f"capturing {args.model} at batch {args.batch}, seq {seq} …")
     cap = capture(resolved.module, batch=args.batch, seq=seq)
     rep = report(cap, model=args.model, dtype=args.dtype, gpt=resolved.gpt)
@@ -137,10 +138,10 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
     from autopar.cluster import Cluster
     from autopar.planner import ModelProfiles, Pricer
     from autopar.strategy import Strategy, check_strategy
-    from autopar.zoo.spec import resolve
+    from autopar.zoo.spec import model_seq
 
     cluster = Cluster.load(args.cluster, nodes=args.nodes).from_profile(compute=args.profile, comm=args.comm)
-    seq = args.seq or resolve(args.model, dtype=args.dtype).default_seq
+    seq = model_seq(args.model, args.seq, dtype=args.dtype)
     strategy = Strategy.for_world(
         cluster.world_size,
         dp=args.dp,

@@ -17,6 +17,7 @@ from autopar.cli.common import (
     add_measured_flags,
     constraints_from_args,
     positive,
+    positive_float,
     print_json,
     progress,
 )
@@ -34,20 +35,24 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seq", type=positive, default=None, help="sequence length (default: the model's)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--top", type=positive, default=5, help="runners-up to show (default 5)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit in seconds (default 10)")
+    p.add_argument(
+        "--time-limit", type=positive_float, default=10.0, help="ILP time limit in seconds (default 10)"
+    )
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     add_json_flag(p, "tables")
     add_measured_flags(p)
     g = p.add_argument_group("constraints (default: free)")
     add_constraint_flags(g)
-    g.add_argument("--memory-cap-gib", type=float, default=None, help="plan for at most this memory per GPU")
+    g.add_argument(
+        "--memory-cap-gib", type=positive_float, default=None, help="plan for at most this memory per GPU"
+    )
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     from autopar.cluster import Cluster
     from autopar.planner import ModelProfiles, make_plan
     from autopar.request import PlanRequest
-    from autopar.zoo.spec import resolve
+    from autopar.zoo.spec import model_seq
 
     if args.out:
         check_writable(args.out)  # before the work, not after it
@@ -56,7 +61,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
         model=args.model,
         cluster=cluster,
         global_batch=args.global_batch,
-        seq=args.seq or resolve(args.model, dtype=args.dtype).default_seq,
+        seq=model_seq(args.model, args.seq, dtype=args.dtype),
         dtype=args.dtype,
         constraints=constraints_from_args(
             args, memory_cap_bytes=args.memory_cap_gib * 2**30 if args.memory_cap_gib else None

@@ -123,13 +123,13 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
 
     from autopar.measure.profile import profile_compute
     from autopar.measurements import dumps, write
-    from autopar.zoo.spec import resolve
+    from autopar.zoo.spec import model_seq
 
     check_writable(args.out)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
-    seq = args.seq or resolve(args.model, dtype=args.dtype).default_seq
+    seq = model_seq(args.model, args.seq, dtype=args.dtype)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     with _bar(rank0 and not args.json) as update, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the no-op process group's collectives warn per call

@@ -143,6 +143,11 @@ def capture(
     Raises ``CaptureError`` naming the module and line when tracing fails.
     """
     start = time.perf_counter()
+    if next(model.parameters(), None) is None:
+        raise CaptureError(
+            f"{type(model).__name__} has no parameters: there is nothing to train or parallelize "
+            "(is the model empty?)"
+        )
     if args is None:
         args, default_kwargs = example_inputs(model, batch, seq)
         kwargs = {**default_kwargs, **(kwargs or {})}

@@ -19,10 +19,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import io
+import logging
 import os
 import re
+import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,10 +57,35 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
     Raises ``CaptureError`` naming the module and source line when tracing fails.
     """
     try:
-        ep = torch.export.export(model, args, dict(kwargs), strict=False)
+        with _quiet_export_logs():
+            ep = torch.export.export(model, args, dict(kwargs), strict=False)
     except Exception as e:
         raise capture_error(model, e) from e
     return _to_graph_module(model, ep)
+
+
+EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
+"""Loggers whose warnings (a whole printed graph on a data-dependent branch) would bury the one
+line ``capture_error`` gives."""
+
+
+@contextlib.contextmanager
+def _quiet_export_logs() -> Iterator[None]:
+    """Only errors from torch.export's loggers while it runs (their levels restored after), and
+    what it prints to stderr held back: on a failure it prints the partial graph, which the
+    one-line error replaces; on success the held text is written out after all."""
+    loggers = [logging.getLogger(name) for name in EXPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+        sys.stderr.write(held.getvalue())
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def _to_graph_module(model: nn.Module, ep: ExportedProgram) -> fx.GraphModule:

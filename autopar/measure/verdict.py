@@ -199,6 +199,11 @@ def judge(reference: Trace, result: dict[str, Any], arithmetic: str) -> Verdict:
         j.first = f"the distributed run returned no {missing[0]!r}"
     for k in range(len(reference.losses)):
         j.step(k, reference, result)
+    if not result.get("checkpoint_exact", True) and j.first is None:
+        j.first = (
+            "the checkpoint does not round-trip: saved with DCP and loaded into a fresh placement of the "
+            "plan, its weights or its next step differ"
+        )
     return Verdict(
         arithmetic=arithmetic,
         losses=list(result["losses"]),

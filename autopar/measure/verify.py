@@ -22,6 +22,7 @@ from autopar.errors import AutoparError
 from autopar.measure.verdict import Trace, Verdict, judge
 from autopar.plan import Plan
 from autopar.runtime import check_runnable, lm_loss, parallelize
+from autopar.runtime.distributed import check_model
 from autopar.zoo.spec import build_model, load_factory
 
 LR = 1e-2
@@ -146,13 +147,17 @@ def _traced_steps(pm: Any, data: torch.Tensor, steps: int) -> dict[str, Any]:
         with comm if step == 0 else contextlib.nullcontext():
             micro = pm.backward(data[step, at * local : (at + 1) * local])
         scale = float(pm.scaler.get_scale()) if pm.scaler is not None else 1.0
-        out["grads"].append({k: g / scale for k, g in pm.full_grads().items()})
+        grads = pm.full_grads()  # collective; rank 0 keeps the trace (its memory is the cost)
         with comm if step == 0 else contextlib.nullcontext():
             pm.step()
         out["losses"].append(pm.mean_loss(micro))
-        out["params"].append({k: v.detach().clone() for k, v in pm.full_state_dict().items()})
+        params = pm.full_state_dict()
+        if dist.get_rank() == 0:
+            out["grads"].append({k: g / scale for k, g in grads.items()})
+            out["params"].append({k: v.detach().clone() for k, v in params.items()})
+        del grads, params
     out["collectives"] = dict(comm.counts)
-    out["state"] = out["params"][-1]
+    out["state"] = out["params"][-1] if out["params"] else {}
     return out
 
 
@@ -229,6 +234,33 @@ def arithmetic_of(dtype: str) -> str:
     return "float64" if dtype in ("fp32", "fp64") else dtype
 
 
+def _available_bytes() -> float | None:
+    """Memory this machine can still give (``MemAvailable``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_memory(param_bytes: int, nproc: int, steps: int) -> None:
+    """Refuse in one line, before any process starts, a check this machine can't hold. Each rank
+    holds the model with gradients and two Adam states, twice (the checkpoint round trip builds a
+    second copy): 8× the weights; rank 0 and the reference also keep every step's gradients and
+    parameters (2 × steps), and the reference its own model and optimizer (4×)."""
+    need = param_bytes * (8 * nproc + 4 * steps + 4)
+    have = _available_bytes()
+    if have is not None and need > 0.9 * have:
+        raise AutoparError(
+            f"verify needs about {need / 2**30:.1f} GiB here ({param_bytes / 2**30:.2f} GiB of weights as "
+            f"checked, {nproc} processes, {steps} steps) but {have / 2**30:.1f} GiB is free: verify a "
+            "smaller configuration of the model, or fewer --nproc or --steps"
+        )
+
+
 def verify_plan(
     spec: str,
     plan: Plan,
@@ -250,6 +282,10 @@ def verify_plan(
     check_runnable(plan)
     arithmetic = arithmetic_of(st.dtype)
     make = functools.partial(build_for_check, spec, arithmetic)
+    model = make()
+    check_model(model, plan)  # one line now, not a traceback from every worker
+    _check_memory(sum(p.numel() * p.element_size() for p in model.parameters()), nproc, steps)
+    del model
     data = torch.randint(
         0, vocab, (steps, st.global_batch, st.seq), generator=torch.Generator().manual_seed(1)
     )

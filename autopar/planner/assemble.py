@@ -50,7 +50,7 @@ def make_plan(request: PlanRequest, profiles: ModelProfiles | None = None) -> Pl
     )
     res = search(request, pricer)
     if not res.found:
-        raise _infeasible(request, res.leanest)
+        raise _infeasible(request, res.leanest, blocks=base.blocks, heads=base.heads)
     best = replace(res.found[0], gap=res.gap)
     plan = to_plan(request.model_name, pricer, best, time.perf_counter() - start)
     validate_plan(
@@ -157,9 +157,33 @@ def _crosses_nodes(st: Strategy, gpus_per_node: int) -> tuple[str, ...]:
     return tuple(name for name, size, stride in axes if size > 1 and size * stride > gpus_per_node)
 
 
-def _infeasible(request: PlanRequest, leanest: list[tuple[float, Strategy]]) -> InfeasibleError:
+def _no_strategy(request: PlanRequest, *, blocks: int, heads: int | None) -> InfeasibleError:
+    """Why no outer choice exists at all: the constraints the user fixed, or else the batch."""
+    c, world, gpn = request.constraints, request.cluster.world_size, request.cluster.gpus_per_node
+    knobs = ("tp", "pp", "dp", "zero", "micro_batch", "schedule", "virtual_stages", "sequence_parallel")
+    fixed = [f"--{k.replace('_', '-')} {getattr(c, k)}" for k in knobs if getattr(c, k) is not None]
+    tps = [t for t in _divisors(gpn) if world % t == 0 and (heads is None or heads % t == 0)]
+    dps = sorted({world // (t * p) for t in tps for p in _divisors(world // t) if p <= blocks})
+    rule = (
+        f"on {world} GPUs ({gpn} per node) a global batch of {request.global_batch} must split over a "
+        f"data-parallel degree dp = GPUs ÷ (tp·pp), with tp dividing the node"
+        + (f" and the {heads} heads" if heads else "")
+        + f" and pp at most {blocks} blocks"
+    )
+    if fixed:
+        return InfeasibleError(f"no strategy fits the constraints {', '.join(fixed)}: {rule}; loosen them")
+    return InfeasibleError(
+        f"no strategy fits: {rule}; use a global batch divisible by {dps[0]}, or fewer GPUs"
+        if dps
+        else f"no strategy fits: {rule}, and no degrees do"
+    )
+
+
+def _infeasible(
+    request: PlanRequest, leanest: list[tuple[float, Strategy]], *, blocks: int, heads: int | None
+) -> InfeasibleError:
     if not leanest:
-        return InfeasibleError("no strategy satisfies the constraints; loosen --tp/--pp/--dp/--micro-batch")
+        return _no_strategy(request, blocks=blocks, heads=heads)
     need, st = leanest[0]
     return InfeasibleError(
         f"no plan fits in {request.capacity_bytes / 2**30:.1f} GiB per GPU: the leanest tried (tp {st.tp}, "

@@ -127,7 +127,9 @@ def outer_strategies(request: PlanRequest, *, blocks: int, heads: int | None) ->
             else ([False, True] if tp > 1 else [False])
         )
         zeros = [c.zero] if c.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
-        for b in [c.micro_batch] if c.micro_batch else _divisors(per_replica):
+        # micro-batch sizes up to the largest tried (not every divisor of a huge batch)
+        sizes = [c.micro_batch] if c.micro_batch else range(1, min(per_replica, c.max_micro_batch) + 1)
+        for b in sizes:
             if b > c.max_micro_batch or per_replica % b:
                 continue
             schedules = _schedules(c, pp=pp, micro_batches=per_replica // b, blocks=blocks)

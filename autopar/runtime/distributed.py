@@ -93,17 +93,22 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
             "processes were launched; re-plan for this world (autopar plan --nodes/--cluster)"
         )
     check_runnable(plan)
-    model_blocks = {n for n, _ in model.named_modules()}
-    missing = [n for n in plan.recompute if n not in model_blocks]
-    if missing:
-        raise AutoparError(
-            f"the plan names layers this model lacks (e.g. {missing[0]!r}): it was made for {plan.model}"
-        )
+    check_model(model, plan)
     ddp = st.tp == 1 and st.pp == 1 and st.dp > 1 and st.zero <= 1
     if ddp and any(p.is_meta for p in model.parameters()):
         raise AutoparError(
             f"ZeRO-{st.zero} data parallelism (DDP) needs the model's weights, but its parameters are "
             "on the meta device: build it with real weights, or plan ZeRO-2/3 or a pipeline"
+        )
+
+
+def check_model(model: nn.Module, plan: Plan) -> None:
+    """The plan was made for this model: every block it names is one of the model's modules."""
+    model_blocks = {n for n, _ in model.named_modules()}
+    missing = [n for n in plan.recompute if n not in model_blocks]
+    if missing:
+        raise AutoparError(
+            f"the plan names layers this model lacks (e.g. {missing[0]!r}): it was made for {plan.model}"
         )
 
 
@@ -120,6 +125,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "agree_on_batch",
     "agree_on_plan",
+    "check_model",
     "check_plan",
     "check_runnable",
     "device_type",

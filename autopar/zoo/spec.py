@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -58,18 +59,85 @@ def load_factory(spec: str) -> Callable[..., Any]:
         assert file_spec is not None and file_spec.loader is not None
         module = importlib.util.module_from_spec(file_spec)
         sys.modules[mod_name] = module
-        file_spec.loader.exec_module(module)
+        try:
+            file_spec.loader.exec_module(module)
+        except Exception as e:  # the user's code: one line, where it failed
+            raise ModelSpecError(f"can't load model file {target!r}: {describe(e, target)}") from None
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as e:
             raise ModelSpecError(f"can't import {target!r} for model {spec!r}: {e}") from None
+        except Exception as e:
+            raise ModelSpecError(f"importing {target!r} for model {spec!r} failed: {describe(e)}") from None
     if not hasattr(module, attr):
         raise ModelSpecError(f"{target!r} has no attribute {attr!r} (model {spec!r})")
     factory = getattr(module, attr)
     if not callable(factory):
         raise ModelSpecError(f"{spec!r} is not callable; it must be a function returning nn.Module")
     return factory
+
+
+def describe(e: BaseException, path: str | None = None) -> str:
+    """An exception from user code in one line: its type and message, and the line of ``path``
+    (or the innermost frame) it came from."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    where = ""
+    if isinstance(e, SyntaxError) and e.lineno:
+        first, where = e.msg, f" (line {e.lineno})"
+    else:
+        frames = traceback.extract_tb(e.__traceback__)
+        mine = [f for f in frames if path and os.path.abspath(f.filename) == os.path.abspath(path)] or frames[
+            -1:
+        ]
+        if mine:
+            where = f" ({os.path.basename(mine[-1].filename)}, line {mine[-1].lineno})"
+    return f"{type(e).__name__}: {first}{where}" if first else f"{type(e).__name__}{where}"
+
+
+def call_factory(factory: Callable[..., Any], spec: str) -> nn.Module:
+    """``factory()``, its failures as one-line errors naming it, and its result an nn.Module."""
+    try:
+        model = factory()
+    except TypeError as e:
+        if "required" in str(e) and "argument" in str(e):
+            raise ModelSpecError(
+                f"model factory {spec!r} needs arguments ({e}); give a function that takes none, "
+                "e.g. def make(): return MyModel(cfg)"
+            ) from None
+        raise ModelSpecError(f"model factory {spec!r} raised {describe(e)}") from None
+    except Exception as e:
+        raise ModelSpecError(f"model factory {spec!r} raised {describe(e)}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"{spec!r} returned {type(model).__name__}, expected an nn.Module")
+    return model
+
+
+def max_seq(spec: str, module: nn.Module | None = None) -> int | None:
+    """The longest sequence the model's configuration allows (a zoo model's trained length; a
+    config's ``block_size``, ``n_positions`` or ``max_position_embeddings``), None if it states none."""
+    if spec in ZOO:
+        return ZOO[spec].default_seq
+    config = getattr(module, "config", None)
+    for key in ("block_size", "max_seq_len", "n_positions", "max_position_embeddings"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def model_seq(spec: str, seq: int | None, *, dtype: str = "bf16") -> int:
+    """The sequence length to use for MODEL ``spec``: ``seq``, or the model's own; one that the
+    model's configuration does not allow is an error."""
+    module = None if spec in ZOO else resolve(spec, dtype=dtype).module
+    limit = max_seq(spec, module)
+    chosen = seq or limit or 1024
+    if limit is not None and chosen > limit:
+        raise ModelSpecError(
+            f"--seq {chosen} exceeds the {limit} positions {spec!r} allows; use --seq {limit} or less "
+            "(or a model configured for longer sequences)"
+        )
+    return chosen
 
 
 def resolve(spec: str, *, dtype: str | None = "bf16") -> ResolvedModel:
@@ -84,9 +152,7 @@ def resolve(spec: str, *, dtype: str | None = "bf16") -> ResolvedModel:
         return ResolvedModel(name=spec, module=module, default_seq=entry.default_seq, gpt=gpt)
     factory = load_factory(spec)
     with torch.device("meta"):
-        module = factory()
-    if not isinstance(module, nn.Module):
-        raise ModelSpecError(f"{spec!r} returned {type(module).__name__}, expected an nn.Module")
+        module = call_factory(factory, spec)
     if torch_dtype is not None:
         module = module.to(torch_dtype)
     config = getattr(module, "config", None)
@@ -100,10 +166,7 @@ def build_model(spec: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if spec in ZOO:
         return build(spec, device="cpu", dtype=torch.float32)
-    model = load_factory(spec)()
-    if not isinstance(model, nn.Module):
-        raise ModelSpecError(f"{spec!r} returned {type(model).__name__}, expected an nn.Module")
-    return model
+    return call_factory(load_factory(spec), spec)
 
 
 @contextlib.contextmanager
