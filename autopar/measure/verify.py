@@ -127,7 +127,7 @@ def dp_worker(
                 )
                 result = _traced_steps(pm, data, steps)
             result["checkpoint_exact"] = _checkpoint_round_trip(
-                pm, make_model, plan, f"{out}.dcp{len(results)}", optimizer
+                pm, make_model, plan, f"{out}.dcp{len(results)}", optimizer, loss_spec
             )
             results.append(result)
         if rank == 0:
@@ -162,14 +162,20 @@ def _traced_steps(pm: Any, data: torch.Tensor, steps: int) -> dict[str, Any]:
 
 
 def _checkpoint_round_trip(
-    pm: Any, make_model: Callable[[], nn.Module], plan: Plan, path: str, optimizer: str
+    pm: Any, make_model: Callable[[], nn.Module], plan: Plan, path: str, optimizer: str, loss_spec: str | None
 ) -> bool:
     """Save model + optimizer with torch.distributed.checkpoint, load into a freshly
     parallelized model, and check the parameters and the next step's loss come back exactly."""
     import torch.distributed.checkpoint as dcp
 
     dcp.save(pm.state_dict(), checkpoint_id=path)
-    fresh = parallelize(make_model(), plan, optimizer_cls=OPTIMIZERS[optimizer], optimizer_kwargs={"lr": LR})
+    fresh = parallelize(
+        make_model(),
+        plan,
+        loss_fn=resolve_loss(loss_spec),
+        optimizer_cls=OPTIMIZERS[optimizer],
+        optimizer_kwargs={"lr": LR},
+    )
     state = fresh.state_dict()  # a fresh model's state dict holds the tensors DCP loads into
     dcp.load(state, checkpoint_id=path)
     fresh.load_state_dict(state)

@@ -167,6 +167,18 @@ class ParallelModel:
         self._check_weights()
         return self.mean_loss(self.schedule.eval(self, batch))
 
+    def _optimizer_aliases(self, optim: dict[str, Any]) -> dict[str, Any]:
+        """Flattened optimizer entries (``state.<FQN>.<key>``, ``param_groups.<FQN>.<key>``) of a
+        tied parameter under each of its names too: a plan that holds it under another name (a
+        pipeline's head stage) finds its state."""
+        out = dict(optim)
+        for key, value in optim.items():
+            section, _, rest = key.partition(".")
+            name, _, leaf = rest.rpartition(".")
+            for alias in self.aliases.get(name, ()):
+                out.setdefault(f"{section}.{alias}.{leaf}", value)
+        return out
+
     def _with_aliases(self, state: dict[str, Any]) -> dict[str, Any]:
         return {alias: v for k, v in state.items() for alias in self.aliases.get(k, (k,))}
 
@@ -175,6 +187,7 @@ class ParallelModel:
         model's names (a tied weight under each of its names; ``runtime.state``)."""
         state = local_state(self.stages, self.optimizer.optimizers)
         state["model"] = self._with_aliases(state["model"])
+        state["optimizer"] = self._optimizer_aliases(state["optimizer"])
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return map_dtensors(state, unstride)

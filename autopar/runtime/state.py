@@ -133,7 +133,7 @@ def load_zero1_state(stage: nn.Module, opt: Any, optim: dict[str, Any]) -> None:
     params = named_params(stage)
     mine = {p for g in local.param_groups for p in g["params"]}
     for name, entry in _by_name(optim, "state").items():
-        if params[name] in mine:
+        if name in params and params[name] in mine:  # (a tied weight's other names: skipped)
             local.state[params[name]] = {
                 k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()
             }

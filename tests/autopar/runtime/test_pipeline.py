@@ -138,7 +138,16 @@ def test_planner_made_plan_runs_through_verify(capsys, tmp_path) -> None:
     )
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(made.to_json())
-    args = ["verify", spec, "--nproc", "4", "--plan", str(plan_file), "--steps", "2", "--optimizer", "sgd"]
+    args = [
+        "verify",
+        spec,
+        "--nproc",
+        "4",
+        "--plan",
+        str(plan_file),
+        "--steps",
+        "2",
+    ]  # default flags: AdamW, checked in float64
     code = main([*args, "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"], report
