@@ -151,6 +151,10 @@ def _traced_steps(pm: Any, data: torch.Tensor, steps: int) -> dict[str, Any]:
         with comm if step == 0 else contextlib.nullcontext():
             pm.step()
         out["losses"].append(pm.mean_loss(micro))
+        if pm.scaler is not None:  # every rank's loss scale after the step (an overflow halves it)
+            scales: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(scales, float(pm.scaler.get_scale()))
+            out.setdefault("scales", []).append(scales)
         params = pm.full_state_dict()
         if dist.get_rank() == 0:
             out["grads"].append({k: g / scale for k, g in grads.items()})

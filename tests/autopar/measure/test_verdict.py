@@ -105,9 +105,32 @@ def double_loss_scale_on_one_rank() -> Iterator[None]:
         yield
 
 
-def _launch(make, plans, hooks, dtype, tmp_path):
+@contextlib.contextmanager
+def overflow_on_rank_one() -> Iterator[None]:
+    """fp16: rank 1's first loss is so large that its scaled gradients overflow."""
+    import torch.distributed as dist
+
+    from autopar.runtime.schedules import LocalSchedule
+
+    original, calls = LocalSchedule.step, []
+
+    def step(self, runner, batch):
+        calls.append(1)
+        if dist.get_rank() == 1 and len(calls) == 1:
+            loss_fn = runner.loss_fn
+            with mock.patch.object(runner, "loss_fn", lambda out, b: loss_fn(out, b) * 1e38):
+                return original(self, runner, batch)
+        return original(self, runner, batch)
+
+    with mock.patch.object(LocalSchedule, "step", step):
+        yield
+
+
+def _launch(make, plans, hooks, dtype, tmp_path, raw=None):
     data = torch.randint(0, 96, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     results = spawn_plans(make, plans, data, str(tmp_path), hooks=hooks)
+    if raw is not None:
+        raw.extend(results)
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     reference = run_reference(make, data, STEPS, autocast=half)
     return [judge(reference, got, "float64" if half is None else dtype) for got in results]
@@ -144,14 +167,29 @@ def test_correct_plans_pass_and_broken_ones_fail_naming_the_parameter(tmp_path) 
 
 
 def test_half_precision_plan_passes_and_a_wrong_loss_scale_fails(tmp_path) -> None:
+    """fp16 DDP passes against an autocast reference; one rank's doubled loss scale fails; an
+    overflow on one rank makes every rank skip that step and halve its scale."""
     plan = _plan(dtype="fp16", tp=1, pp=1, dp=2, zero=0)
     make = functools.partial(default_init_gpt, torch.float32)
-    good, bad = _launch(make, [plan, plan], [None, double_loss_scale_on_one_rank], "fp16", tmp_path)
+    raw: list[dict] = []
+    hooks = [None, double_loss_scale_on_one_rank, overflow_on_rank_one]
+    good, bad, overflow = _launch(make, [plan] * 3, hooks, "fp16", tmp_path, raw)
     print(
         f"fp16 DDP: grad error {good.max_grad_error:.1e}; one rank's loss scale doubled: {bad.first_failure}"
     )
     assert good.passed, good.first_failure
     assert not bad.passed and "gradient of" in str(bad.first_failure)
+    normal, first, second = raw[0]["scales"][0], raw[2]["scales"][0], raw[2]["scales"][1]
+    print(f"overflow on rank 1: every rank's scale after it {first} (else {normal}), then {second}")
+    assert first == [normal[0] / 2] * 2 and second == first
+    initial = _initial(make)
+    assert all(torch.equal(raw[2]["params"][0][k], initial[k]) for k in raw[2]["params"][0] if k in initial)
+    assert not overflow.passed  # the skipped step is not the reference's
+
+
+def _initial(make) -> dict[str, torch.Tensor]:
+    """The weights ``make`` builds (seeded: the same on every rank and in the reference)."""
+    return {k: v.detach().clone() for k, v in make().state_dict().items()}
 
 
 def _trace(grads: dict[str, torch.Tensor], lr: float = 0.1) -> Trace:
