@@ -90,6 +90,8 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
         for i, (a, b) in enumerate(zip(report.losses, report.reference_losses, strict=True)):
             console.print(f"step {i}: loss {a:.6f}  reference {b:.6f}  diff {abs(a - b):.2e}")
         loss_b, grad_b, param_b = report.bounds
+        if report.dropout:
+            console.print(f"the model draws dropout masks: {report.dropout}")
         console.print(
             f"checked in {report.arithmetic}: gradients within {report.max_grad_error:.1e} of their norm "
             f"(bound {grad_b:.1e}), parameters within {report.max_param_error:.1e} of their update "

@@ -24,7 +24,7 @@ is named.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -77,6 +77,8 @@ class Verdict:
     """Largest relative gradient error of each layer (``blocks.3``, ``wte``, …)."""
     first_failure: str | None = None
     """The first step and parameter past its bound, in words; None when it passed."""
+    dropout: str | None = None
+    """For a model that draws dropout masks: what was checked with them on (``with_dropout``)."""
 
     @property
     def bounds(self) -> tuple[float, float, float]:
@@ -98,6 +100,7 @@ class Verdict:
             "bounds": {"loss": loss_b, "grad": grad_b, "param": param_b},
             "worst_grad_error_by_layer": self.worst_by_group,
             "first_failure": self.first_failure,
+            "dropout": self.dropout,
             "passed": self.passed,
         }
 
@@ -199,6 +202,11 @@ def judge(reference: Trace, result: dict[str, Any], arithmetic: str) -> Verdict:
         j.first = f"the distributed run returned no {missing[0]!r}"
     for k in range(len(reference.losses)):
         j.step(k, reference, result)
+    if result.get("replicas") and j.first is None:
+        j.first = (
+            f"{result['replicas']!r} differs between the ranks that hold copies of it after the run "
+            "(their replicated computation diverged: different dropout masks, or an update on some only)"
+        )
     if not result.get("checkpoint_exact", True) and j.first is None:
         j.first = (
             "the checkpoint does not round-trip: saved with DCP and loaded into a fresh placement of the "
@@ -216,4 +224,39 @@ def judge(reference: Trace, result: dict[str, Any], arithmetic: str) -> Verdict:
     )
 
 
-__all__ = ["BOUNDS", "Trace", "Verdict", "judge", "relative"]
+def as_trace(result: dict[str, Any], initial: dict[str, torch.Tensor]) -> Trace:
+    """A distributed run's record as a ``Trace`` (that started from ``initial``), to judge another
+    run against it."""
+    return Trace(result["losses"], result["state"], result["grads"], result["params"], initial)
+
+
+def with_dropout(off: Verdict, on: dict[str, Any], twin: Trace | None) -> Verdict:
+    """The verdict on a model that draws dropout masks. No single-process run draws the masks a
+    plan draws (its ranks split the batch, the heads and the sequence), so ``off`` compared the plan
+    with the reference with dropout off (both in eval mode) — every reduction the plan changes is
+    there. With dropout on, ``on`` (the plan's run) must keep its replicas equal (a TP group draws the
+    same masks for replicated activations: ``judge`` names a drifting parameter) and finite losses;
+    and where the plan recomputes, ``twin`` (the same plan without recompute, the same seeds) must
+    match it within the bounds: recomputation must replay the forward's masks."""
+    failure = off.first_failure
+    on_verdict = judge(twin if twin is not None else _self(on), on, off.arithmetic)
+    if not all(math.isfinite(x) for x in on["losses"]):
+        failure = failure or f"with dropout on, the losses are not finite: {on['losses']}"
+    if not on_verdict.passed:
+        what = "recompute does not replay the forward's masks: " if twin is not None else ""
+        failure = failure or f"with dropout on, {what}{on_verdict.first_failure}"
+    note = "compared with dropout off (eval mode); with it on, checked that replicas stay equal"
+    if twin is not None:
+        note += (
+            " and that recompute replays the forward's masks (largest gradient difference to the same "
+            f"plan without recompute: {on_verdict.max_grad_error:.1e})"
+        )
+    return replace(off, first_failure=failure, dropout=note)
+
+
+def _self(result: dict[str, Any]) -> Trace:
+    """A run as its own reference (only the checks that need none can fail: replicas, checkpoint)."""
+    return as_trace(result, result["params"][0])
+
+
+__all__ = ["BOUNDS", "Trace", "Verdict", "as_trace", "judge", "relative", "with_dropout"]

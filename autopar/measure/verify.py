@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,10 +20,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import AutoparError
-from autopar.measure.verdict import Trace, Verdict, judge
+from autopar.measure.verdict import Trace, Verdict, as_trace, judge, with_dropout
 from autopar.plan import Plan
 from autopar.runtime import check_runnable, lm_loss, parallelize
 from autopar.runtime.distributed import check_model
+from autopar.runtime.state import named_params
 from autopar.zoo.spec import build_model, load_factory
 
 LR = 1e-2
@@ -91,49 +93,91 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class Job(NamedTuple):
+    """One plan run in a launch."""
+
+    make_model: Callable[[], nn.Module]
+    """Builds the model (the same weights on every rank)."""
+    plan: str
+    """The plan, as JSON."""
+    hook: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    """A context manager (factory) the plan runs inside — the suite's mutations, which break a
+    plan on purpose to show the verdict fails."""
+
+
+RUN_SEED = 1234
+"""Each rank seeds RUN_SEED + rank before its plan is applied, as users who seed by rank do (the
+runtime makes a TP group agree; ``runtime.distributed.agree_on_rng``)."""
+
+
 def dp_worker(
     rank: int,
     world: int,
     init_method: str,
-    make_model: Callable[[], nn.Module],
-    plans: list[str],
+    jobs: list[Job],
     data: torch.Tensor,
     steps: int,
     out: str,
     loss_spec: str | None = None,
     optimizer: str = "adamw",
-    hooks: list[Callable[[], contextlib.AbstractContextManager[Any]] | None] | None = None,
 ) -> None:
-    """One rank: run each plan (JSON) for ``steps`` steps on this rank's rows; rank 0 saves results.
+    """One rank: run each job's plan for ``steps`` steps on this rank's rows; rank 0 saves results.
     ``loss_spec`` names the loss (resolved here: user modules don't pickle). The functional
-    collectives of the first step are counted (``collectives``: op name → count). ``hooks``: per
-    plan, a context manager (factory) the plan runs inside — the suite's mutations, which break a
-    plan on purpose to show the verdict fails."""
+    collectives of the first step are counted (``collectives``: op name → count); ``replicas``
+    names the first parameter whose replicas differ after the run."""
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
     )
     torch.set_num_threads(1)
     results: list[dict[str, Any]] = []
     try:
-        for text, hook in zip(plans, hooks or [None] * len(plans), strict=True):
-            plan = Plan.from_json(text)
-            with hook() if hook else contextlib.nullcontext():
+        for job in jobs:
+            plan = Plan.from_json(job.plan)
+            with job.hook() if job.hook else contextlib.nullcontext():
+                model = job.make_model()
+                torch.manual_seed(RUN_SEED + rank)
                 pm = parallelize(
-                    make_model(),
+                    model,
                     plan,
                     loss_fn=resolve_loss(loss_spec),
                     optimizer_cls=OPTIMIZERS[optimizer],
                     optimizer_kwargs={"lr": LR},
                 )
                 result = _traced_steps(pm, data, steps)
+                result["replicas"] = replica_mismatch(pm)
             result["checkpoint_exact"] = _checkpoint_round_trip(
-                pm, make_model, plan, f"{out}.dcp{len(results)}", optimizer, loss_spec
+                pm, job.make_model, plan, f"{out}.dcp{len(results)}", optimizer, loss_spec
             )
             results.append(result)
         if rank == 0:
             torch.save(results, out)
     finally:
         dist.destroy_process_group()
+
+
+def replica_mismatch(pm: Any) -> str | None:
+    """The first parameter whose copies differ on ranks that should hold the same values (the
+    mesh dimensions a DTensor parameter is replicated over: a norm weight on every TP rank).
+    They drift apart when the replicated computation differs between ranks — different dropout
+    masks, an update applied on one rank only. Collective: call on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    first: str | None = None
+    for stage in pm.stages:
+        for name, p in named_params(stage).items():
+            if not isinstance(p, DTensor):
+                continue
+            local, mesh = p.to_local().detach().contiguous(), p.device_mesh
+            for dim, placement in enumerate(p.placements):
+                if not placement.is_replicate() or mesh.size(dim) == 1:
+                    continue
+                copies = [torch.empty_like(local) for _ in range(mesh.size(dim))]
+                dist.all_gather(copies, local, group=mesh.get_group(dim))
+                if first is None and any(not torch.equal(c, copies[0]) for c in copies):
+                    first = name
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, first)
+    return next((f for f in found if f), None)
 
 
 def _traced_steps(pm: Any, data: torch.Tensor, steps: int) -> dict[str, Any]:
@@ -168,11 +212,9 @@ def _traced_steps(pm: Any, data: torch.Tensor, steps: int) -> dict[str, Any]:
 def _checkpoint_round_trip(
     pm: Any, make_model: Callable[[], nn.Module], plan: Plan, path: str, optimizer: str, loss_spec: str | None
 ) -> bool:
-    """Save model + optimizer with torch.distributed.checkpoint, load into a freshly
-    parallelized model, and check the parameters and the next step's loss come back exactly."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(pm.state_dict(), checkpoint_id=path)
+    """Save model + optimizer (``ParallelModel.save``: DCP), load into a freshly parallelized
+    model, and check the parameters and the next step's loss come back exactly."""
+    pm.save(path)
     fresh = parallelize(
         make_model(),
         plan,
@@ -180,9 +222,7 @@ def _checkpoint_round_trip(
         optimizer_cls=OPTIMIZERS[optimizer],
         optimizer_kwargs={"lr": LR},
     )
-    state = fresh.state_dict()  # a fresh model's state dict holds the tensors DCP loads into
-    dcp.load(state, checkpoint_id=path)
-    fresh.load_state_dict(state)
+    fresh.load(path)
     mine, theirs = pm.full_state_dict(), fresh.full_state_dict()
     same = all(torch.equal(mine[k], theirs[k]) for k in mine)
     probe = torch.randint(
@@ -191,7 +231,11 @@ def _checkpoint_round_trip(
         (plan.strategy.global_batch // plan.strategy.dp, plan.strategy.seq),
         generator=torch.Generator().manual_seed(7),
     )
-    if not (same and pm.train_step(probe) == fresh.train_step(probe)):
+    losses = []
+    for model in (pm, fresh):  # the same draws on both (a model with dropout)
+        torch.manual_seed(RUN_SEED)
+        losses.append(model.train_step(probe))
+    if not (same and losses[0] == losses[1]):
         return False
     # the step's loss precedes the update; the weights after it show the optimizer state came back
     mine, theirs = pm.full_state_dict(), fresh.full_state_dict()
@@ -209,14 +253,28 @@ def spawn_plans(
     hooks: list[Callable[[], contextlib.AbstractContextManager[Any]] | None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every plan (same world size) on local gloo processes, one launch; rank 0's results
-    (``hooks``: see ``dp_worker``)."""
+    (``hooks``: see ``Job``)."""
+    jobs = [Job(make_model, p.to_json(), h) for p, h in zip(plans, hooks or [None] * len(plans), strict=True)]
+    return spawn_jobs(jobs, plans[0].strategy.world_size, data, tmp, loss_spec=loss_spec, optimizer=optimizer)
+
+
+def spawn_jobs(
+    jobs: list[Job],
+    world: int,
+    data: torch.Tensor,
+    tmp: str,
+    *,
+    loss_spec: str | None = None,
+    optimizer: str = "adamw",
+) -> list[dict[str, Any]]:
+    """Run ``jobs`` (plans for ``world`` processes) in one launch of local gloo processes; rank 0's
+    results, one per job."""
     import torch.multiprocessing as mp
 
-    world = plans[0].strategy.world_size
-    assert all(p.strategy.world_size == world for p in plans), "one launch runs one world size"
+    assert all(Plan.from_json(j.plan).strategy.world_size == world for j in jobs), "one world per launch"
     out = f"{tmp}/results.pt"
-    args = (world, f"file://{tmp}/init", make_model, [p.to_json() for p in plans], data, data.shape[0], out)
-    mp.spawn(dp_worker, args=(*args, loss_spec, optimizer, hooks), nprocs=world, join=True)
+    args = (world, f"file://{tmp}/init", jobs, data, data.shape[0], out, loss_spec, optimizer)
+    mp.spawn(dp_worker, args=args, nprocs=world, join=True)
     results: list[dict[str, Any]] = torch.load(out)
     return results
 
@@ -232,10 +290,14 @@ def compare(reference: Trace, result: dict[str, Any]) -> tuple[float, float]:
     return gap, worst
 
 
-def build_for_check(spec: str, arithmetic: str) -> nn.Module:
-    """MODEL ``spec`` with real weights (seeded), in float64 for a ``float64`` check."""
-    model = build_model(spec)
+def model_for_check(make_model: Callable[[], nn.Module], arithmetic: str) -> nn.Module:
+    """The model ``make_model`` builds, in float64 for a ``float64`` check."""
+    model = make_model()
     return model.double() if arithmetic == "float64" else model
+
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""Half-precision arithmetic → the autocast dtype of its reference."""
 
 
 def arithmetic_of(dtype: str) -> str:
@@ -282,17 +344,15 @@ def verify_plan(
     optimizer: str = "adamw",
 ) -> Verdict:
     """Run ``plan`` on ``nproc`` local gloo processes and the single-process reference on the same
-    tokens, both with ``optimizer`` (``OPTIMIZERS``), and judge the run (``verdict``)."""
-    import functools
+    tokens, both with ``optimizer`` (``OPTIMIZERS``), and judge the run (``verify_runs``)."""
     import tempfile
 
     st = plan.strategy
     if st.world_size != nproc:
         raise AutoparError(f"the plan is for {st.world_size} processes but --nproc is {nproc}")
     check_runnable(plan)
-    arithmetic = arithmetic_of(st.dtype)
-    make = functools.partial(build_for_check, spec, arithmetic)
-    model = make()
+    make = functools.partial(build_model, spec)
+    model = model_for_check(make, arithmetic_of(st.dtype))
     check_model(model, plan)  # one line now, not a traceback from every worker
     _check_memory(sum(p.numel() * p.element_size() for p in model.parameters()), nproc, steps)
     del model
@@ -300,10 +360,85 @@ def verify_plan(
         0, vocab, (steps, st.global_batch, st.seq), generator=torch.Generator().manual_seed(1)
     )
     with tempfile.TemporaryDirectory() as tmp:
-        result = spawn_plans(make, [plan], data, tmp, loss_spec=loss_spec, optimizer=optimizer)[0]
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(arithmetic)
-    reference = run_reference(make, data, steps, loss_spec, optimizer=optimizer, autocast=half)
-    return judge(reference, result, arithmetic)
+        return verify_runs(make, [(plan, None)], data, tmp, loss_spec=loss_spec, optimizer=optimizer)[0]
+
+
+Hook = Callable[[], contextlib.AbstractContextManager[Any]] | None
+
+
+def verify_runs(
+    make_model: Callable[[], nn.Module],
+    cases: list[tuple[Plan, Hook]],
+    data: torch.Tensor,
+    tmp: str,
+    *,
+    loss_spec: str | None = None,
+    optimizer: str = "adamw",
+) -> list[Verdict]:
+    """The verdict on each (plan, hook) — plans for one world size, run in one launch — against
+    single-process training on ``data`` (steps × global batch × seq). A model that draws dropout
+    masks is compared with dropout off, and its plans also run with dropout on (and without
+    recompute where they recompute) for ``verdict.with_dropout``."""
+    random = draws_masks(make_model, resolve_loss(loss_spec), data[0, :1])
+    jobs: list[Job] = []
+    where: list[tuple[int, int | None, int | None]] = []  # per case: its jobs (off, on, twin)
+    offs: dict[str, Callable[[], nn.Module]] = {}  # arithmetic → the model as compared
+    for plan, hook in cases:
+        arithmetic = arithmetic_of(plan.strategy.dtype)
+        make = functools.partial(model_for_check, make_model, arithmetic)
+        off = offs.setdefault(arithmetic, functools.partial(in_eval_mode, make) if random else make)
+        i_off, i_on, i_twin = len(jobs), None, None
+        jobs.append(Job(off, plan.to_json(), hook))
+        if random:
+            i_on = len(jobs)
+            jobs.append(Job(make, plan.to_json(), hook))
+        if random and any(c != "none" for c in plan.recompute.values()):
+            i_twin = len(jobs)
+            jobs.append(Job(make, without_recompute(plan).to_json(), hook))
+        where.append((i_off, i_on, i_twin))
+    world = cases[0][0].strategy.world_size
+    results = spawn_jobs(jobs, world, data, tmp, loss_spec=loss_spec, optimizer=optimizer)
+    references = {
+        arithmetic: run_reference(
+            off, data, data.shape[0], loss_spec, optimizer, autocast=HALF.get(arithmetic)
+        )
+        for arithmetic, off in offs.items()
+    }
+    verdicts = []
+    for (plan, _), (i_off, i_on, i_twin) in zip(cases, where, strict=True):
+        ref = references[arithmetic_of(plan.strategy.dtype)]
+        verdict = judge(ref, results[i_off], arithmetic_of(plan.strategy.dtype))
+        if i_on is not None:
+            twin = as_trace(results[i_twin], ref.initial) if i_twin is not None else None
+            verdict = with_dropout(verdict, results[i_on], twin)
+        verdicts.append(verdict)
+    return verdicts
+
+
+def in_eval_mode(make_model: Callable[[], nn.Module]) -> nn.Module:
+    """The model ``make_model`` builds, in eval mode: its dropout draws nothing."""
+    return make_model().eval()
+
+
+@torch.no_grad()
+def draws_masks(make_model: Callable[[], nn.Module], loss_fn: Any, tokens: torch.Tensor) -> bool:
+    """Whether the model's training forward is random (dropout anywhere, as a module, a functional
+    call or attention's ``dropout_p``): one batch's loss under two seeds."""
+    model = make_model().train()
+    losses = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        losses.append(loss_fn(model(tokens), tokens))
+    return not torch.equal(losses[0], losses[1])
+
+
+def without_recompute(plan: Plan) -> Plan:
+    """``plan`` with every block kept (no recompute): what its recomputation must reproduce."""
+    import dataclasses
+
+    kept = [tuple((name, "none") for name, _ in s.recompute) for s in plan.stages]
+    stages = tuple(dataclasses.replace(s, recompute=r) for s, r in zip(plan.stages, kept, strict=True))
+    return dataclasses.replace(plan, stages=stages)
 
 
 def bad_batch_worker(rank: int, world: int, init_method: str, plan_json: str, out: str) -> None:

@@ -14,6 +14,7 @@ never plans: ``autopar.parallelize`` plans first when it is given a cluster.
     schedules.py   the micro-batch loop (pp = 1) or the pipeline schedule
     model.py       ParallelModel: train_step, eval_step, checkpoint state
     state.py       the checkpoint layout (DCP, ZeRO-1, fused-QKV shards)
+    checkpoint.py  save / load checkpoint folders (atomic; another model's refused)
     distributed.py the process group and what ranks agree on
     loss.py        the default next-token loss
 """
@@ -29,6 +30,7 @@ from autopar.plan import Plan
 from autopar.runtime.distributed import (
     DEFAULT_TIMEOUT_S,
     agree_on_plan,
+    agree_on_rng,
     check_plan,
     check_runnable,
     init_distributed,
@@ -77,6 +79,8 @@ def parallelize(
     half = compute_dtype(model, plan)
     aliases = tied_names(model)  # before the TP pass replaces parameters
     mesh = make_mesh(plan)
+    if st.tp > 1:
+        agree_on_rng(mesh["tp"].get_group())  # replicated activations draw the same dropout masks
     stages = apply_capture(model, plan)
     apply_tensor_parallel(stages, plan, mesh["tp"])
     apply_pipeline_split(stages, plan, mesh)

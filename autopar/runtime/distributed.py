@@ -65,6 +65,27 @@ def agree_on_batch(batch: torch.Tensor, st: Strategy) -> None:
         )
 
 
+def agree_on_rng(group: Any) -> None:
+    """Give every rank of ``group`` (a TP group) its first rank's random-number state, CPU and
+    GPU. A tensor-parallel graph computes the replicated activations on every TP rank, so their
+    dropout masks must be the same draw there, or the ranks' "replicas" of a norm weight drift
+    apart step by step (Megatron-LM seeds its default generator the same on all TP ranks for the
+    same reason, Shoeybi et al. 2019 §3). Users often seed by rank; this undoes that only within
+    the group, so data-parallel replicas keep their own masks."""
+    states = [torch.get_rng_state()]
+    if device_type() == "cuda":
+        states.append(torch.cuda.get_rng_state())
+    src = dist.get_global_rank(group, 0)
+    agreed = []
+    for state in states:
+        on_device = state.to(local_device())
+        dist.broadcast(on_device, src, group=group)
+        agreed.append(on_device.cpu())
+    torch.set_rng_state(agreed[0])
+    if len(agreed) > 1:
+        torch.cuda.set_rng_state(agreed[1])
+
+
 @torch.no_grad()
 def reduce_partial_grads(params: list[nn.Parameter], group: Any) -> None:
     """Sum the gradients of ``params`` over ``group`` in one bucketed all-reduce (TP-partial
@@ -125,6 +146,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "agree_on_batch",
     "agree_on_plan",
+    "agree_on_rng",
     "check_model",
     "check_plan",
     "check_runnable",

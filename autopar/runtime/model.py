@@ -202,6 +202,20 @@ class ParallelModel:
             self.scaler.load_state_dict(state["scaler"])
         self.needs_weights = False
 
+    def save(self, path: str) -> None:
+        """Save model and optimizer state to the checkpoint folder ``path``, replacing what is
+        there only once every rank has written (``runtime.checkpoint``). Collective."""
+        from autopar.runtime.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load(self, path: str) -> None:
+        """Load the checkpoint folder ``path``, saved under any plan of this model; another
+        model's checkpoint is refused in one line. Collective."""
+        from autopar.runtime.checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
+
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load unsharded weights (the model's own ``state_dict()`` names, on the CPU, the same on
         every rank): each rank copies in only its stages' slices."""

@@ -7,11 +7,10 @@ import functools
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from autopar import Cluster
 from autopar.cost_models.tp import LOSS, step_collectives
-from autopar.measure.verify import compare, dp_worker, run_reference, spawn_plans
+from autopar.measure.verify import compare, run_reference, spawn_plans
 from autopar.plan import Plan
 from autopar.planner import ModelProfiles, make_plan
 from autopar.planner.tp_layouts import layer_choices
@@ -81,10 +80,7 @@ def _sharded(plan: Plan, ltype: str | None = None) -> dict[str, str]:
 def _run(make, plans: list[Plan], world: int, tmp_path, optimizer: str = "sgd", vocab: int = 64):
     torch.manual_seed(1)
     data = torch.randint(0, vocab, (STEPS, BATCH, SEQ))
-    out = tmp_path / f"tp{world}.pt"
-    args = (world, f"file://{tmp_path / 'init'}", make, [p.to_json() for p in plans], data, STEPS, str(out))
-    mp.spawn(dp_worker, args=(*args, None, optimizer), nprocs=world, join=True)
-    return data, torch.load(out)
+    return data, spawn_plans(make, plans, data, str(tmp_path), optimizer=optimizer)
 
 
 def _check(make, data, got, optimizer: str = "sgd") -> tuple[float, float]:

@@ -14,7 +14,7 @@ import torch
 import autopar
 from autopar import Cluster, Constraints
 from autopar.measure.verdict import BOUNDS, Trace, judge
-from autopar.measure.verify import run_reference, spawn_plans
+from autopar.measure.verify import HALF, arithmetic_of, run_reference, spawn_plans
 from autopar.plan import Plan
 from autopar.strategy import SHARDING
 from autopar.zoo import GPT, GPTConfig
@@ -33,9 +33,9 @@ def default_init_gpt(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     return model.to(dtype)
 
 
-def _plan(dtype: str = "fp32", **knobs) -> Plan:
+def _plan(dtype: str = "fp32", model=None, **knobs) -> Plan:
     with torch.device("meta"):
-        meta = default_init_gpt(torch.float32)
+        meta = (model or default_init_gpt)().float()
     cons = Constraints(**{"micro_batch": 2, "recompute": ("none",), **knobs})
     cluster = Cluster.preset("cpu", gpus_per_node=2)
     return autopar.plan(meta, cluster, global_batch=BATCH, seq_len=SEQ, dtype=dtype, constraints=cons)
@@ -126,14 +126,72 @@ def overflow_on_rank_one() -> Iterator[None]:
         yield
 
 
-def _launch(make, plans, hooks, dtype, tmp_path, raw=None):
+@contextlib.contextmanager
+def weigh_micro_batches_unevenly() -> Iterator[None]:
+    """Every other micro-batch's loss counted twice (the weights of a step's losses uneven)."""
+    from autopar.measure import verify
+
+    original, calls = verify.resolve_loss, []
+
+    def resolve(spec):
+        loss_fn = original(spec)
+
+        def weighed(out, batch):
+            calls.append(1)
+            return loss_fn(out, batch) * (2 if len(calls) % 2 else 1)
+
+        return weighed
+
+    with mock.patch.object(verify, "resolve_loss", resolve):
+        yield
+
+
+@contextlib.contextmanager
+def shift_stage_boundary() -> Iterator[None]:
+    """The last layer of the first pipeline chunk runs in the second, which holds freshly
+    initialised weights for it instead of the model's (the boundary moved, its weights did not)."""
+    from autopar.runtime import steps
+    from autopar.runtime.state import fqn
+
+    chunks_of, split, moved = steps.stage_chunks, steps.split_stages, []
+
+    def shifted(*args, **kwargs):
+        chunks = chunks_of(*args, **kwargs)
+        moved.append(chunks[0].pop())
+        chunks[1].insert(0, moved[-1])
+        return chunks
+
+    @torch.no_grad()
+    def split_without_weights(*args, **kwargs):
+        stages = split(*args, **kwargs)
+        for module in stages.values():
+            for name, p in module.named_parameters():
+                if fqn(name).startswith(moved[-1] + "."):
+                    p.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(5))
+        return stages
+
+    with (
+        mock.patch.object(steps, "stage_chunks", shifted),
+        mock.patch.object(steps, "split_stages", split_without_weights),
+    ):
+        yield
+
+
+def _launch(make, plans, hooks, tmp_path, raw=None):
+    """One launch of ``plans`` (with ``hooks``); each judged against the single process in its
+    arithmetic (``raw``: the runs' records, appended)."""
     data = torch.randint(0, 96, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     results = spawn_plans(make, plans, data, str(tmp_path), hooks=hooks)
     if raw is not None:
         raw.extend(results)
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
-    reference = run_reference(make, data, STEPS, autocast=half)
-    return [judge(reference, got, "float64" if half is None else dtype) for got in results]
+    references: dict[str, Trace] = {}
+    verdicts = []
+    for plan, got in zip(plans, results, strict=True):
+        arithmetic = arithmetic_of(plan.strategy.dtype)
+        if arithmetic not in references:
+            references[arithmetic] = run_reference(make, data, STEPS, autocast=HALF.get(arithmetic))
+        verdicts.append(judge(references[arithmetic], got, arithmetic))
+    return verdicts
 
 
 def test_correct_plans_pass_and_broken_ones_fail_naming_the_parameter(tmp_path) -> None:
@@ -149,11 +207,13 @@ def test_correct_plans_pass_and_broken_ones_fail_naming_the_parameter(tmp_path) 
         (tp, drop_tp_all_reduce),
         (pp, None),
         (pp, skip_tied_gradient_sum),
+        (pp, weigh_micro_batches_unevenly),
+        (pp, shift_stage_boundary),
         (_plan(tp=1, pp=1, dp=2, zero=1), None),
         (_plan(tp=1, pp=1, dp=2, zero=3, recompute=("full",)), None),
         (_plan(tp=1, pp=2, dp=1, schedule="interleaved", virtual_stages=2), None),
     ]
-    verdicts = _launch(default_init_gpt, [p for p, _ in cases], [h for _, h in cases], "fp32", tmp_path)
+    verdicts = _launch(default_init_gpt, [p for p, _ in cases], [h for _, h in cases], tmp_path)
     for (plan, hook), v in zip(cases, verdicts, strict=True):
         name = hook.__name__ if hook else "correct"
         print(
@@ -167,13 +227,17 @@ def test_correct_plans_pass_and_broken_ones_fail_naming_the_parameter(tmp_path) 
 
 
 def test_half_precision_plan_passes_and_a_wrong_loss_scale_fails(tmp_path) -> None:
-    """fp16 DDP passes against an autocast reference; one rank's doubled loss scale fails; an
-    overflow on one rank makes every rank skip that step and halve its scale."""
+    """fp16 DDP and bf16 TP2 pass against an autocast reference (parameters included); one rank's
+    doubled loss scale fails; an overflow on one rank makes every rank skip that step and halve
+    its scale."""
     plan = _plan(dtype="fp16", tp=1, pp=1, dp=2, zero=0)
+    tp = _plan(dtype="bf16", tp=2, pp=1, dp=1, sequence_parallel=True)
     make = functools.partial(default_init_gpt, torch.float32)
     raw: list[dict] = []
-    hooks = [None, double_loss_scale_on_one_rank, overflow_on_rank_one]
-    good, bad, overflow = _launch(make, [plan] * 3, hooks, "fp16", tmp_path, raw)
+    hooks = [None, double_loss_scale_on_one_rank, overflow_on_rank_one, None]
+    good, bad, overflow, bf16_tp = _launch(make, [plan] * 3 + [tp], hooks, tmp_path, raw)
+    print(f"bf16 TP2+SP: grad error {bf16_tp.max_grad_error:.1e}, loss error {bf16_tp.max_loss_error:.1e}")
+    assert bf16_tp.passed and bf16_tp.max_grad_error > 0, bf16_tp.first_failure  # bf16 really ran
     print(
         f"fp16 DDP: grad error {good.max_grad_error:.1e}; one rank's loss scale doubled: {bad.first_failure}"
     )
@@ -240,9 +304,68 @@ def test_zero_and_interleaving_with_tp_and_pp_pass_on_four_ranks(tmp_path) -> No
         _plan4(tp=1, pp=2, dp=2, zero=1, schedule="interleaved", virtual_stages=2),
         _plan4(tp=2, pp=2, dp=1, schedule="interleaved", virtual_stages=2),
     ]
-    for plan, v in zip(plans, _launch(default_init_gpt, plans, None, "fp32", tmp_path), strict=True):
+    for plan, v in zip(plans, _launch(default_init_gpt, plans, None, tmp_path), strict=True):
         print(
             f"{plan.text().splitlines()[0]} ZeRO-{plan.strategy.zero} {plan.strategy.schedule}: "
             f"grad error {v.max_grad_error:.1e}, parameter error {v.max_param_error:.1e}"
         )
         assert v.passed, (plan.text(), v.first_failure)
+
+
+# ---- dropout: compared with it off; with it on, replicas agree and recompute replays masks ----
+
+
+def dropout_gpt() -> torch.nn.Module:
+    """``default_init_gpt`` with dropout 0.1 everywhere, attention written out (its dropout on the
+    head-sharded scores under TP)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        n_layer=4, n_embd=256, n_head=4, vocab_size=96, block_size=SEQ, dropout=0.1, attention="math"
+    )
+    model = GPT(cfg)
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    return model.double()
+
+
+@contextlib.contextmanager
+def unsynced_tp_rng() -> Iterator[None]:
+    """The TP ranks keep their own random state (seeded by rank): their replicated activations
+    draw different dropout masks."""
+    with mock.patch("autopar.runtime.agree_on_rng", lambda group: None):
+        yield
+
+
+@contextlib.contextmanager
+def recompute_with_fresh_masks() -> Iterator[None]:
+    """Recomputation draws new dropout masks instead of replaying the forward's."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+    original = cw.checkpoint_wrapper
+    with mock.patch.object(cw, "checkpoint_wrapper", lambda m: original(m, preserve_rng_state=False)):
+        yield
+
+
+def test_dropout_plans_pass_and_unreplayed_or_unsynced_masks_fail(tmp_path) -> None:
+    from autopar.measure.verify import draws_masks, verify_runs
+    from autopar.runtime import lm_loss
+
+    data = torch.randint(0, 96, (2, BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    assert draws_masks(dropout_gpt, lm_loss, data[0, :1]) and not draws_masks(
+        default_init_gpt, lm_loss, data[0, :1]
+    )
+    tp = _plan(model=dropout_gpt, tp=2, pp=1, dp=1, sequence_parallel=False)
+    pp = _plan(model=dropout_gpt, tp=1, pp=2, dp=1, recompute=("full",))
+    assert set(pp.recompute.values()) == {"full"}
+    cases = [(tp, None), (tp, unsynced_tp_rng), (pp, None), (pp, recompute_with_fresh_masks)]
+    verdicts = verify_runs(dropout_gpt, cases, data, str(tmp_path))
+    for (plan, hook), v in zip(cases, verdicts, strict=True):
+        name = hook.__name__ if hook else "correct"
+        print(f"{plan.text().splitlines()[0]} dropout 0.1 [{name}]: {v.dropout}; {v.first_failure or 'PASS'}")
+        assert v.dropout is not None and v.max_grad_error <= BOUNDS["float64"][1], name  # dropout off: exact
+    assert verdicts[0].passed and verdicts[2].passed, (verdicts[0].first_failure, verdicts[2].first_failure)
+    assert "recompute replays" in str(verdicts[2].dropout)
+    assert not verdicts[1].passed and "differs between the ranks" in str(verdicts[1].first_failure)
+    assert not verdicts[3].passed and "recompute does not replay" in str(verdicts[3].first_failure)
+    assert "'" in str(verdicts[3].first_failure)

@@ -10,7 +10,8 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar import Cluster, Constraints, PlanRequest
-from autopar.measure.verify import dp_worker, run_reference
+from autopar.measure.verify import run_reference, spawn_plans
+from autopar.plan import Plan
 from autopar.planner import make_plan
 from autopar.zoo import GPT, GPTConfig
 
@@ -48,11 +49,8 @@ BF16_CASES = [(0, 4, "none", "bf16"), (3, 2, "none", "bf16"), (1, 2, "none", "fp
 def distributed_results(tmp_path_factory):
     torch.manual_seed(1)
     data = torch.randint(0, CFG.vocab_size, (STEPS, BATCH, SEQ))
-    plans = [_plan(*case) for case in CASES + BF16_CASES]
-    out = tmp_path_factory.mktemp("dp") / "results.pt"
-    init = f"file://{tmp_path_factory.mktemp('pg') / 'init'}"
-    mp.spawn(dp_worker, args=(WORLD, init, make_model, plans, data, STEPS, str(out)), nprocs=WORLD, join=True)
-    return data, torch.load(out)
+    plans = [Plan.from_json(_plan(*case)) for case in CASES + BF16_CASES]
+    return data, spawn_plans(make_model, plans, data, str(tmp_path_factory.mktemp("dp")))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))

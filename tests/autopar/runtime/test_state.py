@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -167,3 +168,99 @@ def test_a_tp2_pp2_checkpoint_resumes_under_dp2_and_loads_into_one_process(tmp_p
     model.load_state_dict(state["model"])
     before = torch.load(f"{path}.saved.pt")
     assert all(not torch.equal(model.state_dict()[k], before[k]) for k in ("wte.weight",))  # one step earlier
+
+
+def _tiny(n_layer: int) -> torch.nn.Module:
+    from autopar.zoo import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+
+
+def _dp2_plan(n_layer: int, zero: int = 0) -> str:
+    import autopar
+    from autopar import Cluster, Constraints
+
+    with torch.device("meta"):
+        meta = _tiny(n_layer)
+    cons = Constraints(tp=1, pp=1, dp=2, zero=zero, micro_batch=2, recompute=("none",))
+    plan = autopar.plan(
+        meta, Cluster.preset("cpu", gpus_per_node=2), global_batch=8, seq_len=16, constraints=cons
+    )
+    return plan.to_json()
+
+
+def refusal_worker(rank: int, world: int, init: str, plans: list[str], path: str, out: str) -> None:
+    """Save a checkpoint; a second save that fails half-way; then load it into the same model,
+    another model, the same model with another optimizer, and from a folder that is none."""
+    import datetime
+    from unittest import mock
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import autopar
+    from autopar.errors import AutoparError
+    from autopar.plan import Plan
+
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    torch.set_num_threads(1)
+    data = torch.randint(0, 64, (2, 4, 16), generator=torch.Generator().manual_seed(rank))
+    four, two = (Plan.from_json(p) for p in plans)
+    report: dict[str, object] = {}
+    try:
+        pm = autopar.parallelize(_tiny(4), four)
+        pm.train_step(data[0])
+        pm.save(path)
+        saved = {k: v.clone() for k, v in pm.full_state_dict().items()}
+        pm.train_step(data[1])
+        with mock.patch.object(dcp, "save", side_effect=OSError("disk full")):
+            try:
+                pm.save(path)
+            except OSError as e:
+                report["failed_save"] = str(e)
+        again = autopar.parallelize(_tiny(4), four)
+        again.load(path)
+        report["kept"] = all(torch.equal(saved[k], v) for k, v in again.full_state_dict().items())
+        for name, attempt in (
+            ("other_model", lambda: autopar.parallelize(_tiny(2), two).load(path)),
+            (
+                "other_optimizer",
+                lambda: autopar.parallelize(_tiny(4), four, optimizer_cls=torch.optim.SGD).load(path),
+            ),
+            ("not_a_checkpoint", lambda: pm.load(str(Path(path).parent))),
+        ):
+            try:
+                attempt()
+                report[name] = "loaded"
+            except AutoparError as e:
+                report[name] = str(e)
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(repr(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_save_keeps_the_last_checkpoint_and_another_models_is_refused(tmp_path) -> None:
+    import ast
+
+    import torch.multiprocessing as mp
+
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "report")
+    args = (2, f"file://{tmp_path}/init", [_dp2_plan(4), _dp2_plan(2)], path, out)
+    mp.spawn(refusal_worker, args=args, nprocs=2, join=True)
+    reports = [ast.literal_eval(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    assert reports[0] == reports[1]  # every rank refuses alike
+    got = reports[0]
+    print(got)
+    assert got["failed_save"] == "disk full" and got["kept"] is True
+    assert (
+        "holds GPT" in got["other_model"]
+        and "'blocks.2." in got["other_model"]
+        and "weights" in got["other_model"]
+    )
+    assert "saved with AdamW" in got["other_optimizer"]
+    assert "not a checkpoint folder" in got["not_a_checkpoint"]
+    assert (Path(path) / "autopar.json").is_file() and not Path(path + ".old").exists()

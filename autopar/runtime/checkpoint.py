@@ -1,0 +1,148 @@
+"""Checkpoints of a ``ParallelModel``: DCP folders that any plan of the same model loads
+(``ParallelModel.state_dict`` saves one layout for every plan), written so that a failed save
+never replaces a good checkpoint, and refused in one line when they hold another model.
+
+A checkpoint folder holds DCP's files (``.metadata`` and one ``.distcp`` file per rank) and
+``autopar.json``: the model, the plan's hash and mesh, and the optimizer it was saved with. Its
+tensors load with DCP's own reader (no pickled objects); the manifest is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from autopar.errors import AutoparError
+from autopar.files import write_atomic
+
+MANIFEST = "autopar.json"
+"""The checkpoint's description, next to DCP's ``.metadata``."""
+
+
+def save_checkpoint(pm: Any, path: str | os.PathLike[str]) -> None:
+    """Save ``pm``'s model, optimizer (and loss-scaler) state to the folder ``path``. Every rank
+    writes into ``<path>.tmp``; once all have finished, rank 0 writes the manifest and swaps the
+    folder in, so ``path`` holds either the previous checkpoint or this one, never a mix.
+    Collective: call on every rank (a file system all ranks share)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if dist.get_rank() == 0:
+        if not path.parent.is_dir():
+            raise AutoparError(
+                f"can't save a checkpoint to {str(path)!r}: {str(path.parent)!r} does not exist"
+            )
+        shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted save left
+    dist.barrier()
+    state = pm.state_dict()
+    dcp.save(state, checkpoint_id=str(tmp))
+    dist.barrier()  # every rank's shard is on disk
+    if dist.get_rank() == 0:
+        write_atomic(tmp / MANIFEST, json.dumps(_manifest(pm), indent=1))
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def _manifest(pm: Any) -> dict[str, Any]:
+    plan = pm.plan
+    return {
+        "model": plan.model,
+        "plan_hash": plan.hash,
+        "mesh": dict(plan.mesh),
+        "optimizer": type(pm.optimizer.optimizers[0]).__name__ if pm.optimizer.optimizers else None,
+    }
+
+
+def load_checkpoint(pm: Any, path: str | os.PathLike[str]) -> None:
+    """Load the checkpoint folder ``path`` into ``pm`` (saved under any plan of the same model).
+    Refuses, on every rank before any tensor is read, a folder that is no checkpoint, another
+    model's (a missing parameter or another shape) or one saved with another optimizer."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise AutoparError(
+            f"{str(path)!r} is not a checkpoint folder (it has no .metadata): give a folder that "
+            "ParallelModel.save (or torch.distributed.checkpoint.save) wrote"
+        )
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = pm.state_dict()
+    # what every rank will load (a pipeline rank holds its stages only): all ranks decide alike
+    mine = {
+        "model": {f"model.{k}": list(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")},
+        "optimizer": sorted(f"optimizer.{k}" for k in state["optimizer"]),
+    }
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    wanted = {k: shape for part in everyone for k, shape in part["model"].items()}
+    optimizer_keys = sorted({k for part in everyone for k in part["optimizer"]})
+    check_checkpoint(path, saved, wanted, optimizer_keys, pm.plan.model, _manifest(pm)["optimizer"])
+    dcp.load(state, checkpoint_id=str(path))
+    pm.load_state_dict(state)
+
+
+def check_checkpoint(
+    path: Path,
+    saved: dict[str, Any],
+    wanted: dict[str, list[int]],
+    optimizer_keys: list[str],
+    model: str,
+    optimizer: str | None = None,
+) -> None:
+    """Raise one line when the checkpoint's tensors (DCP metadata ``saved``: key → sizes) are not
+    the ones the model loads (``wanted``: ``model.<FQN>`` → global shape, over all ranks) or lack
+    one of its optimizer's entries: name the two models and the first tensor that differs."""
+    manifest = _read_manifest(path)
+    theirs = manifest.get("model", "another model")
+    extra = sorted(k for k in saved if k.startswith("model.") and k not in wanted)
+    detail = f"it holds {extra[0][6:]!r}, which this model lacks" if extra else None
+    for key, shape in wanted.items():
+        entry = saved.get(key)
+        size = list(getattr(entry, "size", ()))
+        if detail is None and entry is None:
+            detail = f"it has no {key[6:]!r}"
+        elif detail is None and size != shape:
+            detail = f"its {key[6:]!r} is {size}, this model's is {shape}"
+    if detail is not None:
+        ours = sum(math.prod(shape) for shape in wanted.values())
+        raise AutoparError(
+            f"the checkpoint {str(path)!r} holds {theirs} ({_count(saved):,} weights), not this "
+            f"model, {model} ({ours:,} weights): {detail}"
+        )
+    missing = [k for k in optimizer_keys if k not in saved]
+    if missing:
+        used = manifest.get("optimizer") or "another optimizer"
+        raise AutoparError(
+            f"the checkpoint {str(path)!r} has no optimizer state {missing[0][10:]!r}: it was saved with "
+            f"{used}, this model's optimizer is {optimizer}; build it the same way (parallelize's "
+            "optimizer_cls)"
+        )
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest, or {} for a folder saved with plain DCP."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise AutoparError(f"can't read {str(path / MANIFEST)!r}: {e}") from None
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _count(saved: dict[str, Any]) -> int:
+    return sum(math.prod(m.size) for k, m in saved.items() if k.startswith("model.") and hasattr(m, "size"))
+
+
+__all__ = ["MANIFEST", "check_checkpoint", "load_checkpoint", "save_checkpoint"]
