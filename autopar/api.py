@@ -17,7 +17,7 @@ from autopar.planner import make_plan
 from autopar.request import Constraints, PlanRequest
 from autopar.runtime import DEFAULT_TIMEOUT_S, ParallelModel, init_distributed
 from autopar.runtime import parallelize as place
-from autopar.runtime.loss import LossFn, lm_loss
+from autopar.runtime.loss import LossFn
 
 
 def plan(
@@ -76,7 +76,7 @@ def parallelize(
     *,
     global_batch: int | None = None,
     seq: int | None = None,
-    loss_fn: LossFn = lm_loss,
+    loss_fn: LossFn | None = None,
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
     optimizer_kwargs: dict[str, Any] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -86,8 +86,10 @@ def parallelize(
 
     ``plan`` is a Plan, or a Cluster to plan for here (rank 0 plans for the launched world
     with ``global_batch`` and ``seq``, under ``constraints`` if given, and broadcasts).
-    The optimizer is ``optimizer_cls(params, **optimizer_kwargs)`` (default AdamW, lr 1e-3),
-    sharded over the data-parallel ranks under ZeRO ≥ 1.
+    The loss is ``loss_fn(output, tokens)``; by default the model's own (a forward that takes
+    ``targets`` or ``labels``: ``graph.objective``), else next-token cross-entropy. The optimizer
+    is ``optimizer_cls(params, **optimizer_kwargs)`` (default AdamW, lr 1e-3), sharded over the
+    data-parallel ranks under ZeRO ≥ 1.
     """
     init_distributed(timeout_s)
     if isinstance(plan, Cluster):

@@ -26,6 +26,7 @@ from torch import nn
 from autopar.errors import AutoparError, CaptureError
 from autopar.graph.annotate import annotate_costs
 from autopar.graph.layers import Layer, find_layer_container, group_layers
+from autopar.graph.objective import objective_of
 from autopar.graph.trace import (
     MIN_BLOCKS_TO_DEDUPE,
     NotPeriodic,
@@ -116,16 +117,17 @@ class CapturedModel:
 
 
 def example_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
-    """Token ids (batch, seq) on the model's device; ``use_cache=False`` where accepted."""
-    if batch < 1 or seq < 1:
+    """Token ids (batch, seq) on the model's device as the model reads them (with its targets where
+    it computes its own loss: ``objective.objective_of``); ``use_cache=False`` where accepted."""
+    objective = objective_of(model)
+    if batch < 1 or seq < 1 + objective.shifted:
         raise AutoparError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
     device = next(iter(model.parameters()), torch.empty(0)).device
-    ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
-    kwargs: dict[str, Any] = {}
+    args, kwargs = objective.inputs(torch.zeros(batch, seq, dtype=torch.long, device=device))
     params = inspect.signature(model.forward).parameters
     if "use_cache" in params:
         kwargs["use_cache"] = False
-    return (ids,), kwargs
+    return args, kwargs
 
 
 def capture(

@@ -28,10 +28,13 @@ from torch import fx, nn
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
-from autopar.measure.timing import optimizer_s_per_param, time_layer
+from autopar.graph.objective import LOGITS, Objective, objective_of
+from autopar.measure.timing import next_token_loss, optimizer_s_per_param, time_layer
 from autopar.measurements import ComputeProfile, LayerTiming
+from autopar.passes.loss_split import split_loss
 from autopar.planner.profiles import ModelProfiles
 from autopar.request import Constraints, PlanRequest
+from autopar.runtime.loss import tail_loss
 
 Progress = Callable[[int, int, str], None]
 """(done, total, what is being measured now)."""
@@ -170,12 +173,21 @@ class _Session:
         b: int,
         vocab: int,
         seq: int,
+        objective: Objective = LOGITS,
+        own: tuple[nn.Module, int] | None = None,
     ) -> tuple[list[LayerTiming], nn.Module]:
         """Time the embedding, the first block and the head of ``gm`` at micro-batch b; returns
-        their timings and the block's stage (whose parameters the optimizer step is timed on)."""
+        their timings and the block's stage (whose parameters the optimizer step is timed on).
+        ``own``: the model's own loss cut out of ``gm`` (``passes.loss_split``) and the outputs
+        it skips; else the head's loss is next-token cross-entropy."""
         stages = representative_layers(gm, names)
         tokens = torch.randint(0, vocab, (b, seq), device=self.dev)
-        inputs: list[torch.Tensor] = [tokens]
+        args, kwargs = objective.inputs(tokens)
+        inputs: list[torch.Tensor] = list(args)
+        loss = next_token_loss(tokens)
+        if own is not None:
+            own_loss, targets = tail_loss(*own), next(iter(kwargs.values()))
+            loss = lambda out: own_loss(out, targets)  # noqa: E731
         timings = []
         for role, stage in stages.items():
             self.tick(f"{kinds[role]} micro-batch {b} tp {t}{' sp' if sp else ''}")
@@ -183,7 +195,7 @@ class _Session:
             parts, inputs = time_layer(
                 stage,
                 inputs,
-                tokens=tokens if role == "head" else None,
+                loss=loss if role == "head" else None,
                 half=self.half,
                 warmup=self.warmup,
                 repeat=self.repeat,
@@ -246,8 +258,23 @@ def _measure_widths(
                 stages = capture_graph(model, plan)
                 apply_tensor_parallel(stages, plan, mesh)
                 assert stages.gm is not None
+                objective, own = objective_of(model), None
+                if objective.target is not None:  # its own loss: timed with the head, as trained
+                    stages.gm, loss_graph, kept = split_loss(stages.gm, objective.target)
+                    own = (loss_graph, kept)
                 vocab = profiles.base.vocab
-                got, block = run.layers(stages.gm, stages.names, kinds, t=t, sp=sp, b=b, vocab=vocab, seq=seq)
+                got, block = run.layers(
+                    stages.gm,
+                    stages.names,
+                    kinds,
+                    t=t,
+                    sp=sp,
+                    b=b,
+                    vocab=vocab,
+                    seq=seq,
+                    objective=objective,
+                    own=own,
+                )
                 timings += got
                 if b == first_batch and (t == 1 or not any(w > 1 for w in opt)):
                     opt[t] = run.optimizer(block, t)

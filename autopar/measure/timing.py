@@ -74,31 +74,36 @@ def _count_saved(stage: nn.Module, total: list[int]) -> Iterator[None]:
         yield
 
 
+def next_token_loss(tokens: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    """The head's loss for a model that returns logits: next-token cross-entropy on ``tokens``."""
+    from autopar.runtime.loss import lm_loss
+
+    return lambda out: lm_loss(_logits(out), tokens)
+
+
 def _forward(
     stage: nn.Module,
     xs: list[torch.Tensor],
-    tokens: torch.Tensor | None,
+    loss: Callable[[Any], torch.Tensor] | None,
     half: torch.dtype | None,
     saved: list[int] | None,
 ) -> Any:
-    """One forward (the head's includes the next-token loss); ``saved``: add the bytes it saves."""
-    from autopar.runtime.loss import lm_loss
-
+    """One forward (the head's includes the loss); ``saved``: add the bytes it saves."""
     device = next(stage.parameters()).device
     with (
         torch.autocast(device.type, dtype=half) if half else contextlib.nullcontext(),
         _count_saved(stage, saved) if saved is not None else contextlib.nullcontext(),
-        _vocab_parallel(tokens is not None),
+        _vocab_parallel(loss is not None),
     ):
         out = stage(*xs)
-        if tokens is not None:
-            out = lm_loss(_logits(out), tokens)
+        if loss is not None:
+            out = loss(out)
     return out
 
 
-def _backward(out: Any, tokens: torch.Tensor | None) -> None:
+def _backward(out: Any, loss: Callable[[Any], torch.Tensor] | None) -> None:
     """The loss's backward (the head), or a random gradient on every output that needs one."""
-    if tokens is not None:
+    if loss is not None:
         with _vocab_parallel(True):
             out.backward()
         return
@@ -110,14 +115,14 @@ def time_layer(
     stage: nn.Module,
     inputs: Sequence[torch.Tensor],
     *,
-    tokens: torch.Tensor | None,
+    loss: Callable[[Any], torch.Tensor] | None,
     half: torch.dtype | None,
     warmup: int,
     repeat: int,
     sync: Callable[[], None] = lambda: None,
 ) -> tuple[LayerTimingParts, list[torch.Tensor]]:
-    """Median forward and backward seconds of ``stage`` on ``inputs``; with ``tokens`` the
-    stage is the head and its forward includes the next-token loss. Also returns one forward's
+    """Median forward and backward seconds of ``stage`` on ``inputs``; with ``loss`` (of its
+    output) the stage is the head and its forward includes the loss. Also returns one forward's
     outputs (detached), the next stage's inputs. ``sync`` runs after each (untimed) cache
     flush: under torchrun, a barrier, so that no rank's flush overlaps another's timed region."""
     device = next(stage.parameters()).device
@@ -141,12 +146,12 @@ def time_layer(
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         timer.mark()
-        out = _forward(stage, xs, tokens, half, saved if counting else None)
+        out = _forward(stage, xs, loss, half, saved if counting else None)
         timer.mark()
         flush.zero_()
         sync()
         timer.mark()
-        _backward(out, tokens)
+        _backward(out, loss)
         timer.mark()
         f, _, b = timer.spans_s()
         if counting and cuda:

@@ -22,18 +22,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopar.errors import AutoparError
 from autopar.measure.verdict import Trace, Verdict, as_trace, judge, with_dropout
 from autopar.plan import Plan
-from autopar.runtime import check_runnable, lm_loss, parallelize
+from autopar.runtime import check_runnable, parallelize
 from autopar.runtime.distributed import check_model
+from autopar.runtime.loss import loss_of
 from autopar.runtime.state import named_params
 from autopar.zoo.spec import build_model, load_factory
 
 LR = 1e-2
 
 
-def resolve_loss(spec: str | None) -> Callable[[Any, torch.Tensor], torch.Tensor]:
-    """``module:fn`` or ``path/to/file.py:fn`` taking (model output, tokens); None: next-token CE."""
+def resolve_loss(spec: str | None) -> Callable[[Any, torch.Tensor], torch.Tensor] | None:
+    """``module:fn`` or ``path/to/file.py:fn`` taking (model output, tokens); None: the default
+    (the model's own loss where it computes one, else next-token CE: ``runtime.loss``)."""
     if spec is None:
-        return lm_loss
+        return None
     fn: Callable[[Any, torch.Tensor], torch.Tensor] = load_factory(spec)
     return fn
 
@@ -63,7 +65,7 @@ def run_reference(
     losses, grads, params = [], [], []
     for step in range(steps):
         with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
-            loss = loss_fn(model(data[step]), data[step])
+            loss = loss_of(model, data[step], loss_fn)
         loss.backward()
         grads.append(
             {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for n, p in named}
@@ -428,7 +430,7 @@ def draws_masks(make_model: Callable[[], nn.Module], loss_fn: Any, tokens: torch
     losses = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        losses.append(loss_fn(model(tokens), tokens))
+        losses.append(loss_of(model, tokens, loss_fn))
     return not torch.equal(losses[0], losses[1])
 
 

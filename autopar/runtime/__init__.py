@@ -1,7 +1,7 @@
 """The runtime: a Plan applied to a model on this rank, as one straight sequence of steps that
 every plan runs through (a degree of 1 skips its step):
 
-    capture → tensor-parallel pass → stage split → outline blocks → recompute
+    capture → tensor-parallel pass → loss split → stage split → outline blocks → recompute
             → data parallel (DDP / ZeRO-1 / FSDP2) → allocate → optimizers → schedule
 
 Only torch.distributed does the work: DeviceMesh, DTensor, DDP and ``ZeroRedundancyOptimizer``,
@@ -35,7 +35,7 @@ from autopar.runtime.distributed import (
     check_runnable,
     init_distributed,
 )
-from autopar.runtime.loss import LossFn, lm_loss, whole_logits
+from autopar.runtime.loss import LossFn, lm_loss, resolve_objective, tail_loss, whole_logits
 from autopar.runtime.model import ParallelModel
 from autopar.runtime.schedules import apply_schedule
 from autopar.runtime.sharding import (
@@ -49,6 +49,7 @@ from autopar.runtime.sharding import (
 from autopar.runtime.state import fqn
 from autopar.runtime.steps import (
     apply_capture,
+    apply_loss_split,
     apply_outline_blocks,
     apply_pipeline_split,
     apply_recompute,
@@ -62,15 +63,17 @@ def parallelize(
     model: nn.Module,
     plan: Plan,
     *,
-    loss_fn: LossFn = lm_loss,
+    loss_fn: LossFn | None = None,
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
     optimizer_kwargs: dict[str, Any] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> ParallelModel:
     """Apply ``plan`` to ``model`` on this rank (call on every rank, inside torchrun).
 
-    The optimizer is ``optimizer_cls(params, **optimizer_kwargs)`` per local stage (default
-    AdamW, lr 1e-3), sharded over the data-parallel ranks under ZeRO ≥ 1."""
+    The loss is ``loss_fn(output, tokens)``, by default the model's own where it computes one
+    (``runtime.loss.resolve_objective``), else next-token cross-entropy. The optimizer is
+    ``optimizer_cls(params, **optimizer_kwargs)`` per local stage (default AdamW, lr 1e-3),
+    sharded over the data-parallel ranks under ZeRO ≥ 1."""
     init_distributed(timeout_s)
     check_plan(model, plan)
     agree_on_plan(plan)
@@ -78,11 +81,13 @@ def parallelize(
     on_meta = any(p.is_meta for p in model.parameters())
     half = compute_dtype(model, plan)
     aliases = tied_names(model)  # before the TP pass replaces parameters
+    objective, loss_fn = resolve_objective(model, loss_fn)
     mesh = make_mesh(plan)
     if st.tp > 1:
         agree_on_rng(mesh["tp"].get_group())  # replicated activations draw the same dropout masks
     stages = apply_capture(model, plan)
     apply_tensor_parallel(stages, plan, mesh["tp"])
+    apply_loss_split(stages, plan, objective)
     apply_pipeline_split(stages, plan, mesh)
     apply_outline_blocks(stages)
     apply_recompute(stages, plan)
@@ -91,6 +96,8 @@ def parallelize(
     apply_materialize(stages, on_meta)
     kwargs = optimizer_kwargs if optimizer_kwargs is not None else {"lr": 1e-3}
     optimizer = apply_optimizer(stages, plan, optimizer_cls, kwargs)
+    if stages.loss_graph is not None:  # the model's own loss, on the last stage's outputs
+        loss_fn = tail_loss(stages.loss_graph, stages.loss_kept)
     loss_fn = whole_logits(loss_fn) if st.tp > 1 else loss_fn
     schedule = apply_schedule(stages, plan, mesh, loss_fn)
     params = {fqn(n): p for s in stages.ordered for n, p in s.named_parameters()}
@@ -102,6 +109,7 @@ def parallelize(
         plan=plan,
         schedule=schedule,
         loss_fn=loss_fn,
+        objective=objective,
         autocast_dtype=None if fsdp else half,
         scaler=loss_scaler(plan, sharded=fsdp or st.tp > 1),
         partial_grads=[params[n] for n in stages.partial if n in params],

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.graph.objective import LOGITS, Objective
 from autopar.plan import Plan
 from autopar.runtime.distributed import agree_on_batch, device_type, reduce_partial_grads
 from autopar.runtime.loss import LossFn
@@ -46,6 +47,9 @@ class ParallelModel:
     """How a step runs the micro-batches."""
     loss_fn: LossFn
     """loss(model output, batch) → scalar."""
+    objective: Objective = LOGITS
+    """How a micro-batch of tokens is fed to the model (with its targets, where it computes its
+    own loss)."""
     autocast_dtype: torch.dtype | None = None
     """Autocast dtype where no FSDP2 casts parameters."""
     scaler: Any = None

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.graph.objective import Objective
 from autopar.plan import Plan
 from autopar.runtime.distributed import local_device
 from autopar.runtime.loss import LossFn, scalar
@@ -29,6 +30,9 @@ class Runner(Protocol):
 
     @property
     def scaler(self) -> Any: ...
+
+    @property
+    def objective(self) -> Objective: ...
 
     def precision(self) -> contextlib.AbstractContextManager[Any]: ...
 
@@ -55,7 +59,8 @@ class LocalSchedule:
         losses = []
         for i, micro in enumerate(batch.split(self.micro_batch)):
             with self._sync(i == self.micro_batches - 1), runner.precision():
-                loss = runner.loss_fn(self.module(micro), micro)
+                args, kwargs = runner.objective.inputs(micro)
+                loss = runner.loss_fn(self.module(*args, **kwargs), micro)
                 if loss.dim() != 0:
                     raise AutoparError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
                 scaled = loss / self.micro_batches
@@ -67,10 +72,11 @@ class LocalSchedule:
 
     def eval(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
         with runner.precision():  # a captured graph runs one micro-batch at a time
-            return [
-                scalar(runner.loss_fn(self.module(micro), micro)).detach()
-                for micro in batch.split(self.micro_batch)
-            ]
+            losses = []
+            for micro in batch.split(self.micro_batch):
+                args, kwargs = runner.objective.inputs(micro)
+                losses.append(scalar(runner.loss_fn(self.module(*args, **kwargs), micro)).detach())
+            return losses
 
 
 class PipelineSchedule:
@@ -83,8 +89,9 @@ class PipelineSchedule:
     def _run(self, runner: Runner, run: Callable[..., Any], batch: torch.Tensor) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
         with runner.precision():
-            args = (batch,) if self.first else ()
-            run(*args, target=batch if self.last else None, losses=losses)
+            inputs, kwargs = runner.objective.inputs(batch)  # (own loss: its targets go to the last stage)
+            target = next(iter(kwargs.values()), batch)
+            run(*(inputs if self.first else ()), target=target if self.last else None, losses=losses)
         return [scalar(x).detach() for x in losses]
 
     def step(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:

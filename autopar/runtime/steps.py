@@ -16,6 +16,8 @@ from torch import fx, nn
 
 from autopar.graph import CapturedModel
 from autopar.graph.meta import capture_with_meta_parameters
+from autopar.graph.objective import Objective
+from autopar.passes.loss_split import split_loss
 from autopar.passes.pipeline_split import fill_layers, outline_blocks, split_stages, stage_chunks
 from autopar.passes.recompute import recompute
 from autopar.plan import Plan
@@ -38,6 +40,12 @@ class Stages:
     """Parameters whose gradients are partial over the TP group (summed once per step)."""
     chunks: list[list[str]] = field(default_factory=list)
     """Layer names of every chunk of the whole model (pp > 1; pp · virtual stages of them)."""
+    loss_graph: fx.GraphModule | None = None
+    """pp > 1, a model that computes its own loss: that loss, cut out of the graph
+    (``passes.loss_split``); it reads the last ``len(outputs) - loss_kept`` stage outputs and the
+    targets."""
+    loss_kept: int = 0
+    """How many of the last stage's outputs are the model's own (the rest feed ``loss_graph``)."""
 
     @property
     def count(self) -> int:
@@ -74,6 +82,14 @@ def apply_tensor_parallel(stages: Stages, plan: Plan, tp_mesh: Any) -> None:
 
         gm, stages.partial = tensor_parallel_for_plan(stages.captured, plan, tp_mesh)
     stages.gm = fill_layers(gm)
+
+
+def apply_loss_split(stages: Stages, plan: Plan, objective: Objective) -> None:
+    """pp > 1 and the model computes its own loss: cut the loss out of the graph, to run as the
+    pipeline's loss function on the real targets (``passes.loss_split``)."""
+    if stages.gm is None or plan.strategy.pp == 1 or objective.target is None:
+        return
+    stages.gm, stages.loss_graph, stages.loss_kept = split_loss(stages.gm, objective.target)
 
 
 def apply_pipeline_split(stages: Stages, plan: Plan, mesh: Any) -> None:
