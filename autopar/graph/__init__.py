@@ -120,8 +120,10 @@ def example_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[torch.
     """Token ids (batch, seq) on the model's device as the model reads them (with its targets where
     it computes its own loss: ``objective.objective_of``); ``use_cache=False`` where accepted."""
     objective = objective_of(model)
-    if batch < 1 or seq < 1 + objective.shifted:
+    if batch < 1 or seq < 1:
         raise AutoparError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
+    if seq < 2 and objective.shifted:
+        raise AutoparError(f"a model that takes {objective.target}= reads seq − 1 tokens: seq must be ≥ 2")
     device = next(iter(model.parameters()), torch.empty(0)).device
     args, kwargs = objective.inputs(torch.zeros(batch, seq, dtype=torch.long, device=device))
     params = inspect.signature(model.forward).parameters

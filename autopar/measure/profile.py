@@ -184,10 +184,7 @@ class _Session:
         tokens = torch.randint(0, vocab, (b, seq), device=self.dev)
         args, kwargs = objective.inputs(tokens)
         inputs: list[torch.Tensor] = list(args)
-        loss = next_token_loss(tokens)
-        if own is not None:
-            own_loss, targets = tail_loss(*own), next(iter(kwargs.values()))
-            loss = lambda out: own_loss(out, targets)  # noqa: E731
+        loss = next_token_loss(tokens) if own is None else _head_loss(own, next(iter(kwargs.values())))
         timings = []
         for role, stage in stages.items():
             self.tick(f"{kinds[role]} micro-batch {b} tp {t}{' sp' if sp else ''}")
@@ -223,6 +220,12 @@ class _Session:
         )
         self.done += 1
         return got
+
+
+def _head_loss(own: tuple[nn.Module, int], targets: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    """The model's own loss (cut out of its graph) on the head's outputs and ``targets``."""
+    loss = tail_loss(*own)
+    return lambda out: loss(out, targets)
 
 
 def _check_widths(tp_widths: Sequence[int], heads: int | None) -> None:

@@ -95,6 +95,11 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+Hook = Callable[[], contextlib.AbstractContextManager[Any]] | None
+"""A context manager (factory) a plan runs inside — the suite's mutations, which break a plan on
+purpose to show the verdict fails; None: as is."""
+
+
 class Job(NamedTuple):
     """One plan run in a launch."""
 
@@ -102,9 +107,8 @@ class Job(NamedTuple):
     """Builds the model (the same weights on every rank)."""
     plan: str
     """The plan, as JSON."""
-    hook: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
-    """A context manager (factory) the plan runs inside — the suite's mutations, which break a
-    plan on purpose to show the verdict fails."""
+    hook: Hook = None
+    """Its ``Hook``."""
 
 
 RUN_SEED = 1234
@@ -252,10 +256,10 @@ def spawn_plans(
     *,
     loss_spec: str | None = None,
     optimizer: str = "adamw",
-    hooks: list[Callable[[], contextlib.AbstractContextManager[Any]] | None] | None = None,
+    hooks: list[Hook] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every plan (same world size) on local gloo processes, one launch; rank 0's results
-    (``hooks``: see ``Job``)."""
+    (``hooks``: see ``Hook``)."""
     jobs = [Job(make_model, p.to_json(), h) for p, h in zip(plans, hooks or [None] * len(plans), strict=True)]
     return spawn_jobs(jobs, plans[0].strategy.world_size, data, tmp, loss_spec=loss_spec, optimizer=optimizer)
 
@@ -363,9 +367,6 @@ def verify_plan(
     )
     with tempfile.TemporaryDirectory() as tmp:
         return verify_runs(make, [(plan, None)], data, tmp, loss_spec=loss_spec, optimizer=optimizer)[0]
-
-
-Hook = Callable[[], contextlib.AbstractContextManager[Any]] | None
 
 
 def verify_runs(

@@ -16,7 +16,7 @@ never plans: ``autopar.parallelize`` plans first when it is given a cluster.
     state.py       the checkpoint layout (DCP, ZeRO-1, fused-QKV shards)
     checkpoint.py  save / load checkpoint folders (atomic; another model's refused)
     distributed.py the process group and what ranks agree on
-    loss.py        the default next-token loss
+    loss.py        the loss: the model's own, next-token cross-entropy, or the user's
 """
 
 from __future__ import annotations

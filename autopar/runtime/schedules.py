@@ -55,12 +55,16 @@ class LocalSchedule:
             return self.module.no_sync()
         return contextlib.nullcontext()
 
+    def _loss(self, runner: Runner, micro: torch.Tensor) -> torch.Tensor:
+        """The module on one micro-batch, fed as the objective says, and its loss."""
+        args, kwargs = runner.objective.inputs(micro)
+        return runner.loss_fn(self.module(*args, **kwargs), micro)
+
     def step(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
         losses = []
         for i, micro in enumerate(batch.split(self.micro_batch)):
             with self._sync(i == self.micro_batches - 1), runner.precision():
-                args, kwargs = runner.objective.inputs(micro)
-                loss = runner.loss_fn(self.module(*args, **kwargs), micro)
+                loss = self._loss(runner, micro)
                 if loss.dim() != 0:
                     raise AutoparError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
                 scaled = loss / self.micro_batches
@@ -72,11 +76,7 @@ class LocalSchedule:
 
     def eval(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
         with runner.precision():  # a captured graph runs one micro-batch at a time
-            losses = []
-            for micro in batch.split(self.micro_batch):
-                args, kwargs = runner.objective.inputs(micro)
-                losses.append(scalar(runner.loss_fn(self.module(*args, **kwargs), micro)).detach())
-            return losses
+            return [scalar(self._loss(runner, micro)).detach() for micro in batch.split(self.micro_batch)]
 
 
 class PipelineSchedule:

@@ -27,10 +27,15 @@ def default_init_gpt(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     enough that the per-operator ILP shards it at tp 2."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=256, n_head=4, vocab_size=96, block_size=SEQ))
+    return _default_init(model).to(dtype)
+
+
+def _default_init(model: torch.nn.Module) -> torch.nn.Module:
+    """PyTorch's own initialisation of every layer (not GPT-2's 0.02 scaling)."""
     for m in model.modules():
         if hasattr(m, "reset_parameters"):
             m.reset_parameters()
-    return model.to(dtype)
+    return model
 
 
 def _plan(dtype: str = "fp32", model=None, **knobs) -> Plan:
@@ -323,11 +328,7 @@ def dropout_gpt() -> torch.nn.Module:
     cfg = GPTConfig(
         n_layer=4, n_embd=256, n_head=4, vocab_size=96, block_size=SEQ, dropout=0.1, attention="math"
     )
-    model = GPT(cfg)
-    for m in model.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
-    return model.double()
+    return _default_init(GPT(cfg)).double()
 
 
 @contextlib.contextmanager
