@@ -13,6 +13,7 @@ from autopar.graph import CapturedModel, capture
 from autopar.plan import Plan
 from autopar.request import Constraints, PlanRequest
 from autopar.runtime import ParallelModel, init_distributed
+from autopar.runtime.checkpointer import Checkpointer
 from autopar.zoo.spec import meta_parameters
 
 __version__ = "0.1.0"
@@ -21,6 +22,7 @@ __all__ = [
     "AutoparError",
     "CaptureError",
     "CapturedModel",
+    "Checkpointer",
     "Cluster",
     "ClusterSpecError",
     "Constraints",

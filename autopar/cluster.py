@@ -384,6 +384,17 @@ def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, 
 # Latencies (5 µs NVLink, 10 µs IB per message) are assumptions, not
 # measurements: `autopar profile-comm` replaces them with fitted values.
 
+#
+# h100-96g-500w: H100 with 96 GB HBM2e capped at 500 W, as in Meta's Grand Teton nodes on which
+# torchtitan published its Llama-3 runs (pytorch/torchtitan docs/performance.md). Two stated
+# assumptions, no datasheet: (1) the sustained dense peak is the SXM5 datasheet's (989 TFLOP/s
+# bf16 at 700 W) scaled by the power cap, 989 · 500/700 = 706 TFLOP/s — a power-capped GPU lowers
+# its clock until it fits the cap, and the large GEMMs of training are what draw the full 700 W;
+# (2) HBM2e at 2.4 TB/s (six 16 GB stacks at 3.2 Gb/s per pin: 6 · 1024 · 3.2 / 8). A measured
+# profile (`autopar profile`, then `--profile`) replaces both; `autopar estimate` names the peak
+# it priced with. NVLink and the network are the DGX H100 figures.
+_POWER_CAP = 500 / 700
+
 MATMUL_EFFICIENCY = 0.70
 _NVLINK_LATENCY_S = 5e-6
 _IB_LATENCY_S = 10e-6
@@ -455,6 +466,15 @@ PRESETS: dict[str, Callable[[int | None], Cluster]] = {
     "dgx-a100-80g": _dgx("dgx-a100-80g", "A100-SXM4-80GB", 80, (19.5, 156, 312), 2.039, 230, 200),
     "dgx-h100": _dgx("dgx-h100", "H100-SXM5-80GB", 80, (67, 494.5, 989), 3.35, 370, 400),
     "dgx-h200": _dgx("dgx-h200", "H200-SXM-141GB", 141, (67, 494.5, 989), 4.8, 370, 400),
+    "h100-96g-500w": _dgx(
+        "h100-96g-500w",
+        "H100-96GB-HBM2e-500W",
+        96,
+        (67 * _POWER_CAP, 494.5 * _POWER_CAP, 989 * _POWER_CAP),
+        2.4,
+        370,
+        400,
+    ),
     "cpu": _cpu,
 }
 """Built-in clusters by name; each factory takes an optional gpus_per_node."""

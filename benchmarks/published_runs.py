@@ -2,9 +2,12 @@
 
     python benchmarks/published_runs.py
 
-Prints one line per run (predicted, published, error) and a summary line with
-the median and worst absolute error; exit status 1 if the median is over 10%
-or any run is over 25% (the cost-model issue's targets).
+Prints one line per run (predicted, published, error; in-sample runs marked with why), a
+summary line with the median and worst absolute error, and for each published peak memory of a
+recompute policy autopar does not price yet whether it lies between the predictions without and
+with full recompute. Exit status 1 if the median is over 10% or any run is over 25% (the
+cost-model issue's targets). Every figure is priced through ``planner.Pricer``, the path of
+``autopar plan`` and ``autopar estimate``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ from __future__ import annotations
 import statistics
 import sys
 
-from published import RUNS, predict  # benchmarks/published.py
+from published import MEMORY_RUNS, RUNS, memory_bracket, predict  # benchmarks/published.py
+
+UNITS = {
+    "step_time_s": "s/step",
+    "hardware_tflops_per_gpu": "TFLOP/s/GPU (hardware)",
+    "tokens_per_s_per_gpu": "tokens/s/GPU",
+}
 
 
 def main() -> int:
@@ -21,17 +30,26 @@ def main() -> int:
         predicted, _ = predict(run)
         err = (predicted - run.measured) / run.measured
         errors.append(abs(err))
-        unit = "s/step" if run.metric == "step_time_s" else "TFLOP/s/GPU (hardware)"
         print(
-            f"{run.name:40s} predicted {predicted:8.2f}  published {run.measured:8.2f} {unit:24s} "
-            f"error {100 * err:+6.1f}%   [{run.source}]"
+            f"{run.name:40s} predicted {predicted:8.2f}  published {run.measured:8.2f} "
+            f"{UNITS[run.metric]:24s} error {100 * err:+6.1f}%   [{run.source}]"
         )
+        if run.in_sample:
+            print(f"{'':40s} in sample: {run.in_sample}")
     median, worst = statistics.median(errors), max(errors)
     ok = median <= 0.10 and worst <= 0.25
     print(
         f"summary: {len(errors)} runs, median |error| {100 * median:.1f}%, worst {100 * worst:.1f}% "
         f"(targets 10% / 25%): {'met' if ok else 'MISSED'}"
     )
+    for mem in MEMORY_RUNS:
+        none, full = memory_bracket(mem)
+        inside = full <= mem.measured_gib <= none
+        print(
+            f"{mem.name:40s} peak memory published {mem.measured_gib:.1f} GiB ({mem.policy}); predicted "
+            f"{full:.1f} GiB with full recompute, {none:.1f} GiB without: "
+            f"{'between them' if inside else 'OUTSIDE'}   [{mem.source}]"
+        )
     return 0 if ok else 1
 
 

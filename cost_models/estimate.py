@@ -92,6 +92,9 @@ class Estimate:
     memory_capacity_bytes: float
     stage_layers: tuple[tuple[str, ...], ...]
     notes: tuple[str, ...] = field(default=())
+    compute_basis: str = ""
+    """What compute was priced with: the device's peak × matmul efficiency (a preset's datasheet or
+    stated assumption, or the user's YAML), or the cluster's measured compute profile."""
 
     @property
     def fits(self) -> bool:
@@ -113,6 +116,7 @@ class Estimate:
             "memory": [m.to_dict() for m in self.memory],
             "stage_layers": [list(s) for s in self.stage_layers],
             "notes": list(self.notes),
+            "compute_basis": self.compute_basis,
         }
 
 
@@ -156,7 +160,23 @@ def estimate(
         memory_capacity_bytes=float(cluster.device.memory_bytes),
         stage_layers=tuple(tuple(names) for names in stage_layer_names(profile, st)),
         notes=tuple(notes),
+        compute_basis=compute_basis(cluster, st.dtype),
     )
+
+
+def compute_basis(cluster: Cluster, dtype: str) -> str:
+    """One line: the peak and efficiency the roofline prices ``dtype`` compute with, and where
+    they come from; or that measured layer timings take their place."""
+    dev = cluster.device
+    peak = dev.peak_flops.get(dtype, dev.peak_flops["bf16"])
+    roofline = (
+        f"{peak / 1e12:,.0f} TFLOP/s {dtype} peak × matmul efficiency {dev.matmul_efficiency:.2f} = "
+        f"{dev.achievable_flops(dtype) / 1e12:,.0f} TFLOP/s, "
+        f"HBM {dev.hbm_bandwidth_bytes_per_s / 1e12:.2f} TB/s ({dev.name}, cluster {cluster.name})"
+    )
+    if cluster.compute_profile is not None:
+        return f"measured layer timings (autopar profile); roofline where missing: {roofline}"
+    return roofline
 
 
 def _check_inputs(profile: ModelProfile, cluster: Cluster, st: Strategy) -> None:

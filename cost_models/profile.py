@@ -26,6 +26,9 @@ class OpCost:
 
     flops: int
     """Forward FLOPs (split by TP)."""
+    kernel_flops: int
+    """Forward FLOPs the kernel executes (``autopar.kernel_flops``: a causal flash attention
+    skips about half of ``flops``); time is priced from these."""
     mem_bytes: int
     """Bytes read and written."""
     stream: bool
@@ -156,7 +159,8 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
         mem = int(n.meta.get("autopar.mem_bytes", 0))
         is_stream = flops == 0 and len(shape) >= 2 and shape[-1] == h
         if flops or mem:
-            ops.append(OpCost(flops=flops, mem_bytes=mem, stream=is_stream))
+            kernel = int(n.meta.get("autopar.kernel_flops", flops))
+            ops.append(OpCost(flops=flops, kernel_flops=kernel, mem_bytes=mem, stream=is_stream))
         if any(_is_square(_shape(a), s) for a in (n, *n.all_input_nodes)):
             quad_f += flops  # QKᵀ and scores·V: what selective recompute redoes
         # Megatron TP: a matmul with a weight that writes the residual width h is row-parallel
@@ -246,7 +250,12 @@ def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile
         types[name] = LayerCost(
             name=name,
             ops=tuple(
-                OpCost(flops=lin(x.flops, y.flops), mem_bytes=lin(x.mem_bytes, y.mem_bytes), stream=x.stream)
+                OpCost(
+                    flops=lin(x.flops, y.flops),
+                    kernel_flops=lin(x.kernel_flops, y.kernel_flops),
+                    mem_bytes=lin(x.mem_bytes, y.mem_bytes),
+                    stream=x.stream,
+                )
                 for x, y in zip(a.ops, c.ops, strict=True)
             ),
             fwd_flops=lin(a.fwd_flops, c.fwd_flops),

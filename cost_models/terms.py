@@ -133,6 +133,9 @@ class TPLayer:
     micro-batch (the once-per-step partial-gradient all-reduce is not priced)."""
     local_params: float
     """Parameters one rank holds (a weight the choice keeps replicated counts whole)."""
+    stream_share: float = 1.0
+    """Share of the residual-stream ops' bytes (``OpCost.stream``) one rank moves: 1 run whole,
+    1/t split over the sequence (as sequence parallelism does, with or without the flag)."""
 
 
 TPLayout = dict[str, TPLayer]
@@ -246,8 +249,9 @@ def _unit(ctx: _UnitContext, name: str, recompute: str) -> Unit:
         if measured
         else None
     )
-    fwd = got.forward_s if got else layer_forward_s(lc, ctx.device, st.dtype, tp=t, sp=sp)
     chosen = tp_layout.get(name) if tp_layout and t > 1 else None
+    share = chosen.stream_share if chosen is not None else None
+    fwd = got.forward_s if got else layer_forward_s(lc, ctx.device, st.dtype, tp=t, sp=sp, stream_share=share)
     tp_fwd, tp_bwd = _tp_phases_s(ctx, name, lc, chosen)
     rc_flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}
     full_act = layer_activation_bytes(lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes)
@@ -392,10 +396,7 @@ class RankLoad:
     tp_s: float
     bwd_s: float
     params: float
-    full_params: float
-    """Parameters of the blocks under full recompute (gathered again in ZeRO-3)."""
     layers: int
-    full_layers: int
     act_bytes: float
     has_full: bool
 
@@ -415,7 +416,6 @@ def rank_load(terms: Terms, rank: int, counts: tuple[int, int, int]) -> RankLoad
         units.append((terms.embed, 1))
     if rank == len(terms.inflight) - 1:
         units.append((terms.head, 1))
-    full = terms.block["full"]
     return RankLoad(
         fwd_s=sum(u.fwd_s * n for u, n in units),
         bwd_compute_s=sum(u.bwd_compute_s * n for u, n in units),
@@ -423,9 +423,7 @@ def rank_load(terms: Terms, rank: int, counts: tuple[int, int, int]) -> RankLoad
         tp_s=sum(u.tp_s * n for u, n in units),
         bwd_s=sum(u.bwd_s * n for u, n in units),
         params=sum(u.params * n for u, n in units),
-        full_params=full.params * counts[2],
         layers=sum(n for _, n in units),
-        full_layers=counts[2],
         act_bytes=sum(u.act_bytes * n for u, n in units),
         has_full=counts[2] > 0,
     )
@@ -443,8 +441,12 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
       ZeRO-1  max(B, α_a + σ_a·G − O) + α_g + σ_g·W (torch's ZeroRedundancyOptimizer keeps
               DDP's all-reduce, then broadcasts each updated shard)
       ZeRO-2  m·max(0, L·α_r + σ_r·G − O) + α_g + σ_g·W
-      ZeRO-3  m·[max(0, L·α_g + σ_g·W − fwd)
-                 + max(0, (L + L_full)·α_g + σ_g·(W + W_full) + L·α_r + σ_r·G − bwd)]
+      ZeRO-3  m·[max(g₁, L·α_g + σ_g·W − fwd) + max(g₁ + r₁, L·α_g + σ_g·W + L·α_r + σ_r·G − bwd)]
+    with g₁, r₁ one block's gather and reduce-scatter (``zero3_unhidden_s``): no compute precedes
+    the first block's gather in each direction or follows the last one's reduce-scatter. ZeRO-3
+    gathers each block twice per micro-batch, also under full recompute: the FSDP2 unit wraps the
+    checkpointed block (recompute before ``fully_shard``, as torchtitan's ``apply_ac`` precedes
+    ``apply_fsdp``), so the pre-backward gather serves the recomputed forward and the backward.
     """
     st, lat, spb = terms.strategy, terms.lat_s, terms.s_per_byte
     rlat, rspb = terms.rs_lat_s, terms.rs_s_per_byte
@@ -459,11 +461,22 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
         return ddp + (lat + spb * weights if st.zero == 1 else 0.0)
     if st.zero == 2:
         return m * max(0.0, load.layers * rlat + rspb * grad - overlap) + lat + spb * weights
-    full_w = load.full_params * terms.weight_bytes
-    gather_f = load.layers * lat + spb * weights
-    gather_b = (load.layers + load.full_layers) * lat + spb * (weights + full_w)
+    gather = load.layers * lat + spb * weights  # forward, and again before the backward
     reduce = load.layers * rlat + rspb * grad
-    return m * (max(0.0, gather_f - kappa * load.fwd_s) + max(0.0, gather_b + reduce - kappa * load.bwd_s))
+    first, last = zero3_unhidden_s(terms)
+    return m * (
+        max(first, gather - kappa * load.fwd_s) + max(first + last, gather + reduce - kappa * load.bwd_s)
+    )
+
+
+def zero3_unhidden_s(terms: Terms) -> tuple[float, float]:
+    """(g₁, r₁): one block's ZeRO-3 weight all-gather and gradient reduce-scatter, the parts no
+    compute hides (``dp_exposed_s``)."""
+    block = terms.block["none"].params
+    return (
+        terms.lat_s + terms.s_per_byte * block * terms.weight_bytes,
+        terms.rs_lat_s + terms.rs_s_per_byte * block * terms.grad_bytes,
+    )
 
 
 def rank_memory_terms(terms: Terms, rank: int, load: RankLoad) -> dict[str, float]:

@@ -98,16 +98,28 @@ def collective_time_s(kind: str, size_bytes: int, t: int, link: GroupLink) -> fl
     return allgather_time_s(size_bytes, t, link)
 
 
-def collectives_s(collectives: list[Collective], t: int, link: GroupLink) -> float:
-    """Seconds of all of ``collectives`` one after the other."""
-    return sum(collective_time_s(c.kind, c.size_bytes, t, link) for c in collectives)
+def collectives_s(collectives: list[Collective], t: int, link: GroupLink, forward_passes: int = 1) -> float:
+    """Seconds of all of ``collectives`` one after the other, a forward one ``forward_passes``
+    times (2 under full recompute: the recomputed forward issues its collectives again)."""
+    return sum(
+        collective_time_s(c.kind, c.size_bytes, t, link) * (forward_passes if c.phase == "forward" else 1)
+        for c in collectives
+    )
 
 
 def reshard(
-    src: str, dst: str, size_bytes: int, t: int, link: GroupLink, *, grad: bool = True
+    src: str,
+    dst: str,
+    size_bytes: int,
+    t: int,
+    link: GroupLink,
+    *,
+    grad: bool = True,
+    forward_passes: int = 1,
 ) -> tuple[float, list[tuple[str, str]]]:
     """Seconds and collectives (kind, phase) to turn placement ``src`` into ``dst`` (table above);
-    ``grad`` False: the tensor needs no gradient (rotary tables, masks), so no backward part."""
+    ``grad`` False: the tensor needs no gradient (rotary tables, masks), so no backward part;
+    a forward collective counts ``forward_passes`` times (``collectives_s``)."""
     if src == dst or (src == R and dst == R):
         return 0.0, []
     if src == R and dst == RF:
@@ -121,11 +133,20 @@ def reshard(
     else:
         return INFEASIBLE, []
     steps = [st for st in steps if grad or st[1] == "forward"]
-    return sum(collective_time_s(kind, size_bytes, t, link) for kind, _ in steps), steps
+    repeats = {"forward": forward_passes, "backward": 1}
+    return sum(collective_time_s(kind, size_bytes, t, link) * repeats[ph] for kind, ph in steps), steps
 
 
 def leave(
-    n: fx.Node, out: str, to: str, t: int, link: GroupLink, *, grad: bool, final: bool
+    n: fx.Node,
+    out: str,
+    to: str,
+    t: int,
+    link: GroupLink,
+    *,
+    grad: bool,
+    final: bool,
+    forward_passes: int = 1,
 ) -> tuple[float, list[Collective]]:
     """Seconds and collectives for a layer output in placement ``out`` to leave as ``to`` (the
     stream; R for the model's output). Logits split over the vocabulary stay split: torch's
@@ -135,15 +156,17 @@ def leave(
     if final and vocab_parallel_output(n, out):
         rows = math.prod(tuple(n.meta["autopar.shape"][:-1])) * 4  # fp32 per row
         c = Collective(kind="all_reduce", phase="forward", size_bytes=rows, at=LOSS)
-        return 3 * collective_time_s("all_reduce", rows, t, link), [c, c, c]
-    c_s, kinds = reshard(out, to, tensor_bytes(n), t, link, grad=grad)
+        return 3 * collective_time_s("all_reduce", rows, t, link), [c, c, c]  # the loss: never recomputed
+    c_s, kinds = reshard(out, to, tensor_bytes(n), t, link, grad=grad, forward_passes=forward_passes)
     return c_s, [Collective(kind=k, phase=p, size_bytes=tensor_bytes(n), at=n.name) for k, p in kinds]
 
 
 def op_compute_s(n: fx.Node, cluster: Cluster, dtype: str) -> float:
     """Forward + backward roofline seconds of one operator (backward FLOPs as annotated)."""
     dev = cluster.device
-    flops = n.meta.get("autopar.fwd_flops", 0) + n.meta.get("autopar.bwd_flops", 0)
+    fwd = n.meta.get("autopar.fwd_flops", 0)
+    executed = n.meta.get("autopar.kernel_flops", fwd) / fwd if fwd else 1.0  # causal attention: ~½
+    flops = (fwd + n.meta.get("autopar.bwd_flops", 0)) * executed
     mem = 3 * n.meta.get("autopar.mem_bytes", 0)  # forward reads/writes once, backward about twice
     return flops / dev.achievable_flops(dtype) + mem / dev.hbm_bandwidth_bytes_per_s
 
@@ -265,6 +288,9 @@ class LayerContext:
     """Placement of the residual stream between layers."""
     final: set[str]
     """Outputs that are the model's output (they leave whole, or split over the vocabulary)."""
+    forward_passes: int = 1
+    """Forward passes per micro-batch: 2 when every block recomputes in full (its forward
+    collectives are issued again in the backward, Korthikanti et al. 2022 §5), else 1."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,9 +322,11 @@ def layer_context(
     dtype: str,
     sp: bool,
     index: GraphIndex | None = None,
+    forward_passes: int = 1,
 ) -> LayerContext:
     """The ``LayerContext`` of layer indices ``layers`` of ``gm`` (several: solved together) at
-    TP degree t (``sp``: the residual stream enters and leaves split over the sequence)."""
+    TP degree t (``sp``: the residual stream enters and leaves split over the sequence;
+    ``forward_passes``: 2 under full recompute)."""
     index = index or index_graph(gm)
     nodes = tuple(n for i in layers for n in index.layers.get(i, ()))
     outside, outputs = boundary(list(nodes), sp)
@@ -313,6 +341,7 @@ def layer_context(
         outputs=outputs,
         stream=stream_placement(sp),
         final={n.name for n in nodes if any(u.op == "output" for u in n.users)},  # the model's output
+        forward_passes=forward_passes,
     )
 
 
@@ -330,7 +359,7 @@ def price_layer(ctx: LayerContext, chosen: dict[str, OpStrategy], memory_bytes: 
         own = own_collectives(n, s)
         total += op_compute_s(n, ctx.cluster, ctx.dtype) * s.compute_fraction
         collectives += own
-        total += collectives_s(own, ctx.t, ctx.link)
+        total += collectives_s(own, ctx.t, ctx.link, ctx.forward_passes)
         if s.name in SHARDING:
             modules[str(n.meta.get("autopar.module", n.name))] = s.name
         for slot, u in enumerate(tensor_args(n)):
@@ -339,7 +368,15 @@ def price_layer(ctx: LayerContext, chosen: dict[str, OpStrategy], memory_bytes: 
                 continue  # one conversion per (tensor, placement): its consumers share it
             copied.add((u.name, need))
             src = chosen[u.name].out if u.name in inside else ctx.outside[u.name]
-            c, kinds = reshard(src, need, tensor_bytes(u), ctx.t, ctx.link, grad=u.name in ctx.grads)
+            c, kinds = reshard(
+                src,
+                need,
+                tensor_bytes(u),
+                ctx.t,
+                ctx.link,
+                grad=u.name in ctx.grads,
+                forward_passes=ctx.forward_passes,
+            )
             total += c
             collectives += [
                 Collective(kind=k, phase=p, size_bytes=tensor_bytes(u), at=n.name) for k, p in kinds
@@ -347,7 +384,14 @@ def price_layer(ctx: LayerContext, chosen: dict[str, OpStrategy], memory_bytes: 
         to = R if n.name in ctx.final else ctx.stream
         if n.name in ctx.outputs and s.out != to:  # converted for the next layer (or the model's output)
             c, more = leave(
-                n, s.out, to, ctx.t, ctx.link, grad=n.name in ctx.grads, final=n.name in ctx.final
+                n,
+                s.out,
+                to,
+                ctx.t,
+                ctx.link,
+                grad=n.name in ctx.grads,
+                final=n.name in ctx.final,
+                forward_passes=ctx.forward_passes,
             )
             total += c
             collectives += more
@@ -390,9 +434,31 @@ def layout_of(
         for (name, pos), param in param_owners(nodes).items():
             split = param_split(choice.strategies[name], by_name[name], pos)
             local[layer_of[name]] += param_numel(param) / (tp if split else 1)
+        shares = _stream_shares(cap, layers, index, choice)
         for name in types:
-            out[name] = TPLayer(collectives=tuple(coll[name]), local_params=local[name])
+            out[name] = TPLayer(
+                collectives=tuple(coll[name]), local_params=local[name], stream_share=shares[name]
+            )
     return out
+
+
+def _stream_shares(
+    cap: CapturedModel, layers: tuple[Layer, ...], index: GraphIndex, choice: LayerTP
+) -> dict[str, float]:
+    """Per layer type, the byte-weighted compute share the choice gives its residual-stream
+    operators (``profile.OpCost.stream``: no FLOPs, (…, h) outputs): 1 replicated, 1/t split."""
+    shares: dict[str, float] = {}
+    for layer in layers:
+        moved = total = 0.0
+        for n in index.layers.get(layer.index, ()):
+            shape, mem = n.meta.get("autopar.shape", ()), n.meta.get("autopar.mem_bytes", 0)
+            stream = (
+                not n.meta.get("autopar.fwd_flops", 0) and len(shape) >= 2 and shape[-1] == cap.hidden_size
+            )
+            if stream and mem and n.name in choice.strategies:
+                moved, total = moved + mem * choice.strategies[n.name].compute_fraction, total + mem
+        shares[layer.type] = moved / total if total else 1.0
+    return shares
 
 
 __all__ = [

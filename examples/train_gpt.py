@@ -1,11 +1,14 @@
 """Train a small GPT with autopar on whatever torchrun launched (CPU + gloo here, GPUs + NCCL there).
 
     torchrun --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--global-batch 16] [--seq 64]
-        [--tp T] [--pp P]
+        [--tp T] [--pp P] [--checkpoint DIR --checkpoint-every N [--keep K]] [--save-final FILE]
 
 autopar plans for the launched world (rank 0 plans, every rank gets the same plan; --tp/--pp
 fix those degrees, the planner chooses the rest), applies the plan, and this script trains on
-synthetic tokens, logging loss, tokens/s and peak memory per step on rank 0.
+synthetic tokens, logging loss, tokens/s and peak memory per step on rank 0. With
+--checkpoint it saves every N steps (``autopar.Checkpointer``) and, started again (by hand or
+by ``torchrun --max-restarts``), resumes from the newest complete checkpoint; step k's batch is
+a function of k alone, so a resumed run sees the same data as one that never stopped.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--tp", type=int, default=None, help="fix the tensor-parallel degree")
     parser.add_argument("--pp", type=int, default=None, help="fix the pipeline-parallel degree")
+    parser.add_argument("--checkpoint", default=None, help="folder for checkpoints (resumes from it)")
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    parser.add_argument("--save-final", default=None, help="write the trained weights here (rank 0)")
     args = parser.parse_args()
 
     autopar.init_distributed()
@@ -49,9 +56,18 @@ def main() -> None:
         print(pm.plan.text(), flush=True)
         print(f"tensor-parallel groups inside one node: {inside}", flush=True)
     local, replica = args.global_batch // pm.plan.strategy.dp, pm.dp_rank
-    generator = torch.Generator().manual_seed(1)
-    for step in range(args.steps):
-        batch = torch.randint(0, 512, (args.global_batch, args.seq), generator=generator)
+    ckpt = (
+        autopar.Checkpointer(args.checkpoint, every=args.checkpoint_every, keep=args.keep)
+        if args.checkpoint
+        else None
+    )
+    start = ckpt.resume(pm) if ckpt else 0
+    print(f"rank {rank} pid {os.getpid()} starts at step {start}", flush=True)
+    for step in range(start, args.steps):
+        # the global batch of step k depends on k only (not on the world size or a restart)
+        batch = torch.randint(
+            0, 512, (args.global_batch, args.seq), generator=torch.Generator().manual_seed(step)
+        )
         t0 = time.perf_counter()
         loss = pm.train_step(batch[replica * local : (replica + 1) * local])
         dt = time.perf_counter() - t0
@@ -62,6 +78,11 @@ def main() -> None:
                 f"peak RSS {peak_mib:.0f} MiB",
                 flush=True,
             )
+        if ckpt is not None and ckpt.step_done(pm, step) and rank == 0:
+            print(f"saved checkpoint step {step}", flush=True)
+    final = pm.full_state_dict()  # collective
+    if args.save_final and rank == 0:
+        torch.save({k: v.detach().clone() for k, v in final.items()}, args.save_final)
     dist.destroy_process_group()
 
 

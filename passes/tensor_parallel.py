@@ -21,6 +21,7 @@ shard on local tensors:
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,7 +44,9 @@ from autopar.passes.tp_collectives import (
     vocab_embedding,
 )
 from autopar.passes.tp_graph import layer_nodes, op_keys
+from autopar.passes.tp_placements import int_arg
 from autopar.passes.tp_rules import (
+    EXPANDS,
     RESHAPES,
     RF,
     OpStrategy,
@@ -51,6 +54,7 @@ from autopar.passes.tp_rules import (
     cut_dim,
     fused_chunks,
     linear_parts,
+    out_shape,
     partial_grad_params,
     propagate,
     shard_dim,
@@ -150,6 +154,9 @@ class _Rewrite:
         conv = _conversion(self.out_of.get(src.name, R), need, self.group, self.rank, self.t)
         if conv is None:
             return
+        if consumer.target is operator.getitem and isinstance(src.meta.get("val"), (list, tuple)):
+            self.convert_element(consumer, conv, need)
+            return
         new = self.converted.get((src.name, need))
         if new is None:
             fn, extra = conv
@@ -158,6 +165,16 @@ class _Rewrite:
             _copy_meta(new, src)
             self.converted[src.name, need] = new
         consumer.replace_input_with(src, new)
+
+    def convert_element(self, item: fx.Node, conv: tuple[Any, tuple[Any, ...]], need: str) -> None:
+        """A piece of a multi-output operator (``chunk``'s, ``split``'s) is converted after it is
+        picked: the placement change applies to the piece, the getitem passes it through."""
+        fn, extra = conv
+        with self.graph.inserting_after(item):
+            new = self.graph.call_function(fn, (item, *extra))
+        _copy_meta(new, item)
+        item.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+        self.out_of[new.name] = need
 
     def reduce_partials(self, node: fx.Node, s: OpStrategy, bias: fx.Node | None) -> None:
         """After ``node`` (partial sums): all-reduce, or reduce-scatter over the sequence, then add
@@ -217,7 +234,8 @@ class _Rewrite:
         vocab = int(w.meta["val"].shape[0])
         lw = self.local_param(w, node, "S0")
         lo, hi = self.rank * vocab // self.t, (self.rank + 1) * vocab // self.t
-        node.target, node.args = vocab_embedding, (lw, ids, lo, hi)
+        pad = int_arg(node.args[2]) if len(node.args) > 2 else -1
+        node.target, node.args = vocab_embedding, (lw, ids, lo, hi, pad % vocab if pad != -1 else -1)
         self.reduce_partials(node, s, None)
 
     def local_shapes(self, node: fx.Node, s: OpStrategy) -> None:
@@ -225,12 +243,16 @@ class _Rewrite:
         d, t = shard_dim(s.out), self.t
         if d is None:
             return
-        if node.target in (*RESHAPES, aten.expand.default):
+        if node.target in (*RESHAPES, *EXPANDS):
             node.args = (node.args[0], _divide(node.args[1], d, t), *node.args[2:])
+        elif node.target == aten.unflatten.int:  # the new dims' sizes: divide the split one
+            start, sizes = int_arg(node.args[1]) % len(out_shape(node) or ()), node.args[2]
+            if start <= d < start + len(sizes):  # type: ignore[arg-type]
+                node.args = (node.args[0], node.args[1], _divide(sizes, d - start, t))
         elif node.target == aten.split.Tensor and cut_dim(node) == d:
-            node.args = (node.args[0], int(node.args[1]) // t, *node.args[2:])  # type: ignore[call-overload]
+            node.args = (node.args[0], int_arg(node.args[1]) // t, *node.args[2:])
         elif node.target == aten.split_with_sizes.default and cut_dim(node) == d:
-            node.args = (node.args[0], [int(x) // t for x in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
+            node.args = (node.args[0], [int_arg(x) // t for x in node.args[1]], *node.args[2:])  # type: ignore[union-attr]
 
     def operators(self) -> None:
         """Every chosen operator: its inputs converted, its parameters and shapes made local."""

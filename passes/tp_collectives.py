@@ -19,6 +19,11 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 
+def _named(group: str) -> Any:
+    """A process group by its registered name, as the functional collectives take it."""
+    return group
+
+
 def _wait(x: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
@@ -37,7 +42,7 @@ class _Copy(torch.autograd.Function):
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
-        return _wait(funcol.all_reduce(x.contiguous(), "sum", group))
+        return _wait(funcol.all_reduce(x.contiguous(), "sum", _named(group)))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -51,7 +56,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: str, rank: int, size: int, partial: bool) -> Any:
         ctx.args = dim, group, rank, size, partial
-        return _wait(funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group))
+        return _wait(funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=_named(group)))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
@@ -99,14 +104,16 @@ class _Chunks(torch.autograd.Function):
 
 def tp_chunks(x: torch.Tensor, k: int, group: str, rank: int, size: int) -> torch.Tensor:
     """Slices r of each of k chunks of a replicated vector; gradients all-gathered."""
-    return _Chunks.apply(x, k, group, rank, size)  # type: ignore[no-any-return]
+    return _Chunks.apply(x, k, group, rank, size)
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
         ctx.args = dim, group
-        return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", scatter_dim=dim, group=group))
+        return _wait(
+            funcol.reduce_scatter_tensor(x.contiguous(), "sum", scatter_dim=dim, group=_named(group))
+        )
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
@@ -116,35 +123,39 @@ class _ReduceScatter(torch.autograd.Function):
 
 def tp_reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     """Sequence-parallel g: reduce-scatter partial sums along ``dim`` forward, all-gather backward."""
-    return _ReduceScatter.apply(x, dim, group)  # type: ignore[no-any-return]
+    return _ReduceScatter.apply(x, dim, group)
 
 
-def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+def vocab_embedding(
+    weight: torch.Tensor, ids: torch.Tensor, lo: int, hi: int, padding_idx: int = -1
+) -> torch.Tensor:
     """Look up ``ids`` in this rank's rows [lo, hi) of the embedding; other ids give zeros (the
-    partial sums all ranks then add up: Megatron's vocabulary-parallel embedding)."""
+    partial sums all ranks then add up: Megatron's vocabulary-parallel embedding). The row
+    ``padding_idx`` (global; -1: none) gets no gradient, as ``nn.Embedding(padding_idx=)`` has it."""
     outside = (ids < lo) | (ids >= hi)
-    rows = torch.ops.aten.embedding.default(weight, (ids - lo).masked_fill(outside, 0))
+    local_pad = padding_idx - lo if lo <= padding_idx < hi else -1
+    rows = torch.ops.aten.embedding.default(weight, (ids - lo).masked_fill(outside, 0), local_pad)
     return rows.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 def tp_copy(x: torch.Tensor, group: str) -> torch.Tensor:
     """Megatron f: identity forward, all-reduce of the gradient."""
-    return _Copy.apply(x, group)  # type: ignore[no-any-return]
+    return _Copy.apply(x, group)
 
 
 def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Megatron g: all-reduce forward, identity backward."""
-    return _Reduce.apply(x, group)  # type: ignore[no-any-return]
+    return _Reduce.apply(x, group)
 
 
 def tp_gather(x: torch.Tensor, dim: int, group: str, rank: int, size: int, partial: bool) -> torch.Tensor:
     """All-gather forward; slice (or reduce-scatter a partial gradient) backward."""
-    return _Gather.apply(x, dim, group, rank, size, partial)  # type: ignore[no-any-return]
+    return _Gather.apply(x, dim, group, rank, size, partial)
 
 
 def tp_slice(x: torch.Tensor, dim: int, group: str, rank: int, size: int) -> torch.Tensor:
     """Keep this rank's slice forward; all-gather backward."""
-    return _Slice.apply(x, dim, group, rank, size)  # type: ignore[no-any-return]
+    return _Slice.apply(x, dim, group, rank, size)
 
 
 OURS = (tp_copy, tp_reduce, tp_reduce_scatter, tp_gather, tp_slice, tp_chunks, vocab_embedding)

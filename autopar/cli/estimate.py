@@ -198,6 +198,7 @@ def _print_estimate(console: Console, model: str, cluster: Any, st: Any, est: An
         f"{est.tokens_per_s:,.0f} tokens/s · {est.tflops_per_gpu:.1f} TFLOP/s per GPU model "
         f"(MFU {100 * est.mfu:.1f}%) · {est.hardware_tflops_per_gpu:.1f} hardware (HFU {100 * est.hfu:.1f}%)"
     )
+    console.print(f"[dim]compute priced at {est.compute_basis}[/dim]")
     _print_memory(console, est)
     for note in est.notes:
         console.print(f"[dim]note: {note}[/dim]")

@@ -28,6 +28,7 @@ from autopar.graph.annotate import annotate_costs
 from autopar.graph.layers import Layer, find_layer_container, group_layers
 from autopar.graph.objective import objective_of
 from autopar.graph.trace import (
+    CONSTANT_PREFIX,
     MIN_BLOCKS_TO_DEDUPE,
     NotPeriodic,
     _ConstantHolder,
@@ -166,7 +167,7 @@ def capture(
             constants = {
                 str(n.target): getattr(small, str(n.target))
                 for n in small.graph.nodes
-                if n.op == "get_attr" and str(n.target).startswith("_autopar_const_")
+                if n.op == "get_attr" and str(n.target).startswith(CONSTANT_PREFIX)
             }
             gm = expand_repeated(small, rb, _ConstantHolder(model, constants))
         except (NotPeriodic, CaptureError):

@@ -8,6 +8,11 @@ memory, no compute) with parameters that require grad, and records per node:
 - ``autopar.fwd_flops``: FLOPs of the ATen kernels the node dispatches to,
   counted with PyTorch's own formula table (``torch.utils.flop_counter``);
   composite ops such as ``linear`` are counted through their decomposition.
+- ``autopar.kernel_flops``: FLOPs the kernel executes, what time is priced from: the same as
+  ``fwd_flops`` except for causal attention (``scaled_dot_product_attention(is_causal=True)``),
+  whose flash kernels skip the key blocks above the diagonal (Dao 2023, FlashAttention-2 §3.1.1):
+  a fraction (s + 1) / (2s) of the s² products. ``fwd_flops`` keeps the full count, the
+  convention of model FLOPs and MFU (Chowdhery et al. 2022, PaLM, App. B).
 - ``autopar.bwd_flops``: model-FLOPs convention (Narayanan et al. SC'21,
   §5.1 and Eq. 3): the backward of a contraction computes one product of the
   same size per operand that needs a gradient — input-grad and weight-grad —
@@ -134,12 +139,27 @@ class _CostInterpreter(fx.Interpreter):
         n.meta["autopar.shape"] = tuple(first.shape) if first is not None else ()
         n.meta["autopar.dtype"] = str(first.dtype).removeprefix("torch.") if first is not None else ""
         n.meta["autopar.fwd_flops"] = fwd
+        n.meta["autopar.kernel_flops"] = round(fwd * causal_share(n))
         n.meta["autopar.bwd_flops"] = fwd * min(2, grad_operands)
         n.meta["autopar.saved_bytes"] = sum(nbytes for _, nbytes in self.node_saved)
         n.meta["autopar.saved"] = tuple(self.node_saved)
         n.meta["autopar.mem_bytes"] = 0 if _is_view(n) else _mem_bytes(n, out, self.env)
         n.meta["autopar.param_bytes"] = _param_bytes(first) if is_param else 0
         return out
+
+
+def causal_share(n: fx.Node) -> float:
+    """Share of an attention node's products a causal flash kernel computes: (s + 1) / (2s) for
+    ``is_causal=True`` over s queries and s keys (the diagonal blocks are computed whole, which
+    the +1 rounds for); 1 otherwise (an explicit mask is applied to every score)."""
+    if n.target != _aten.scaled_dot_product_attention.default:
+        return 1.0
+    causal = n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)
+    q, k = (a.meta.get("val") for a in n.args[:2])  # type: ignore[union-attr]
+    if not causal or q is None or k is None or q.shape[-2] != k.shape[-2]:
+        return 1.0
+    s = int(q.shape[-2])
+    return (s + 1) / (2 * s)
 
 
 def _fused_dropout(args: Any, kwargs: Any) -> bool:

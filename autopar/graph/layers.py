@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autopar.graph.trace import _op_key, block_index
+from autopar.graph.trace import CONSTANT_PREFIX, _op_key, block_index
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +132,13 @@ def _numel(gm: fx.GraphModule, n: fx.Node) -> int:
     return t.numel()
 
 
+def _name_in_block(target: str, block: str) -> str:
+    """A parameter or buffer named without its block's path, so that identical blocks read
+    identical names; a lifted constant (``trace.CONSTANT_PREFIX``) is numbered across the whole
+    model, so it is known by its shape alone."""
+    return CONSTANT_PREFIX if target.startswith(CONSTANT_PREFIX) else target.removeprefix(block + ".")
+
+
 def _layer_types(
     gm: fx.GraphModule, by_layer: dict[str, list[fx.Node]], block_cls: dict[str, str]
 ) -> dict[str, str]:
@@ -144,7 +151,7 @@ def _layer_types(
             continue
         weights = sorted(  # by name inside the block: their order in the graph may vary
             (
-                str(n.target).removeprefix(name + "."),
+                _name_in_block(str(n.target), name),
                 tuple(n.meta["val"].shape),
                 str(n.meta["val"].dtype),
             )

@@ -36,6 +36,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
 from autopar.errors import CaptureError
+from autopar.graph.canonical import canonical
 
 MIN_BLOCKS_TO_DEDUPE = 5
 """Below this many blocks the whole model is traced (splicing saves little)."""
@@ -51,6 +52,11 @@ class RepeatedBlocks:
     count: int
 
 
+CONSTANT_PREFIX = "_autopar_const_"
+"""Attribute name prefix of a tensor constant the export lifted (``qkv[..., [-2]]``'s index list),
+followed by its mangled path: kept on the graph's root module."""
+
+
 def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> fx.GraphModule:
     """Export ``model(*args, **kwargs)`` and convert it to a GraphModule rooted at ``model``.
 
@@ -61,7 +67,7 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
             ep = torch.export.export(model, args, dict(kwargs), strict=False)
     except Exception as e:
         raise capture_error(model, e) from e
-    return _to_graph_module(model, ep)
+    return canonical(_to_graph_module(model, ep))
 
 
 EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
@@ -102,7 +108,7 @@ def _to_graph_module(model: nn.Module, ep: ExportedProgram) -> fx.GraphModule:
             constant_inputs[spec.arg.name] = spec.arg.value  # e.g. use_cache=False
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             assert spec.target is not None
-            name = "_autopar_const_" + re.sub(r"\W", "_", spec.target)
+            name = CONSTANT_PREFIX + re.sub(r"\W", "_", spec.target)
             lifted[spec.arg.name] = name
             constants[name] = ep.constants[spec.target]
     user_outputs = [i for i, spec in enumerate(sig.output_specs) if spec.kind == OutputKind.USER_OUTPUT]

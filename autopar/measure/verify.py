@@ -20,6 +20,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import AutoparError
+from autopar.measure.arithmetic import (
+    HALF,
+    arithmetic_of,
+    computes_below_float64,
+    draws_masks,
+    in_eval_mode,
+    model_for_check,
+)
 from autopar.measure.verdict import Trace, Verdict, as_trace, judge, with_dropout
 from autopar.plan import Plan
 from autopar.runtime import check_runnable, parallelize
@@ -109,6 +117,8 @@ class Job(NamedTuple):
     """The plan, as JSON."""
     hook: Hook = None
     """Its ``Hook``."""
+    checkpoint: bool = True
+    """Also save the run, load it into a fresh placement and check it comes back exactly."""
 
 
 RUN_SEED = 1234
@@ -151,9 +161,10 @@ def dp_worker(
                 )
                 result = _traced_steps(pm, data, steps)
                 result["replicas"] = replica_mismatch(pm)
-            result["checkpoint_exact"] = _checkpoint_round_trip(
-                pm, job.make_model, plan, f"{out}.dcp{len(results)}", optimizer, loss_spec
-            )
+            if job.checkpoint:
+                result["checkpoint_exact"] = _checkpoint_round_trip(
+                    pm, job.make_model, plan, f"{out}.dcp{len(results)}", optimizer, loss_spec
+                )
             results.append(result)
         if rank == 0:
             torch.save(results, out)
@@ -296,22 +307,6 @@ def compare(reference: Trace, result: dict[str, Any]) -> tuple[float, float]:
     return gap, worst
 
 
-def model_for_check(make_model: Callable[[], nn.Module], arithmetic: str) -> nn.Module:
-    """The model ``make_model`` builds, in float64 for a ``float64`` check."""
-    model = make_model()
-    return model.double() if arithmetic == "float64" else model
-
-
-HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""Half-precision arithmetic → the autocast dtype of its reference."""
-
-
-def arithmetic_of(dtype: str) -> str:
-    """What a plan of ``dtype`` is checked in: fp32 (and fp64) plans in float64, half-precision
-    ones in their own dtype."""
-    return "float64" if dtype in ("fp32", "fp64") else dtype
-
-
 def _available_bytes() -> float | None:
     """Memory this machine can still give (``MemAvailable``), None where unknown."""
     try:
@@ -378,61 +373,74 @@ def verify_runs(
     loss_spec: str | None = None,
     optimizer: str = "adamw",
 ) -> list[Verdict]:
-    """The verdict on each (plan, hook) — plans for one world size, run in one launch — against
-    single-process training on ``data`` (steps × global batch × seq). A model that draws dropout
-    masks is compared with dropout off, and its plans also run with dropout on (and without
-    recompute where they recompute) for ``verdict.with_dropout``."""
-    random = draws_masks(make_model, resolve_loss(loss_spec), data[0, :1])
+    """The verdict on each (plan, hook) for one model (``verify_cases``)."""
+    return verify_cases(
+        [(make_model, plan, hook) for plan, hook in cases],
+        data,
+        tmp,
+        loss_spec=loss_spec,
+        optimizer=optimizer,
+    )
+
+
+Case = tuple[Callable[[], nn.Module], Plan, Hook]
+"""(builds the model, the plan, its ``Hook``)."""
+
+
+def verify_cases(
+    cases: list[Case],
+    data: torch.Tensor,
+    tmp: str,
+    *,
+    loss_spec: str | None = None,
+    optimizer: str = "adamw",
+    checkpoint: bool = True,
+) -> list[Verdict]:
+    """The verdict on each (model, plan, hook) — plans for one world size, run in one launch —
+    against single-process training of its model on ``data`` (steps × global batch × seq). A model
+    that draws dropout masks is compared with dropout off, and its plans also run with dropout on
+    (and without recompute where they recompute) for ``verdict.with_dropout``. ``checkpoint``:
+    each run also round-trips through a checkpoint (``Job.checkpoint``)."""
     jobs: list[Job] = []
     where: list[tuple[int, int | None, int | None]] = []  # per case: its jobs (off, on, twin)
-    offs: dict[str, Callable[[], nn.Module]] = {}  # arithmetic → the model as compared
-    for plan, hook in cases:
+    random: dict[Callable[[], nn.Module], bool] = {}  # per model: whether it draws masks
+    lowered: dict[Callable[[], nn.Module], bool] = {}  # per model: float32 ops inside float64
+    offs: dict[tuple[Callable[[], nn.Module], str], Callable[[], nn.Module]] = {}  # as compared
+    for make_model, plan, hook in cases:
+        if make_model not in random:
+            random[make_model] = draws_masks(make_model, resolve_loss(loss_spec), data[0, :1])
+            lowered[make_model] = computes_below_float64(make_model, resolve_loss(loss_spec), data[0, :1])
         arithmetic = arithmetic_of(plan.strategy.dtype)
         make = functools.partial(model_for_check, make_model, arithmetic)
-        off = offs.setdefault(arithmetic, functools.partial(in_eval_mode, make) if random else make)
+        off = offs.setdefault(
+            (make_model, arithmetic), functools.partial(in_eval_mode, make) if random[make_model] else make
+        )
         i_off, i_on, i_twin = len(jobs), None, None
-        jobs.append(Job(off, plan.to_json(), hook))
-        if random:
+        jobs.append(Job(off, plan.to_json(), hook, checkpoint))
+        if random[make_model]:
             i_on = len(jobs)
-            jobs.append(Job(make, plan.to_json(), hook))
-        if random and any(c != "none" for c in plan.recompute.values()):
+            jobs.append(Job(make, plan.to_json(), hook, checkpoint))
+        if random[make_model] and any(c != "none" for c in plan.recompute.values()):
             i_twin = len(jobs)
-            jobs.append(Job(make, without_recompute(plan).to_json(), hook))
+            jobs.append(Job(make, without_recompute(plan).to_json(), hook, checkpoint))
         where.append((i_off, i_on, i_twin))
-    world = cases[0][0].strategy.world_size
+    world = cases[0][1].strategy.world_size
     results = spawn_jobs(jobs, world, data, tmp, loss_spec=loss_spec, optimizer=optimizer)
     references = {
-        arithmetic: run_reference(
-            off, data, data.shape[0], loss_spec, optimizer, autocast=HALF.get(arithmetic)
-        )
-        for arithmetic, off in offs.items()
+        key: run_reference(off, data, data.shape[0], loss_spec, optimizer, autocast=HALF.get(key[1]))
+        for key, off in offs.items()
     }
     verdicts = []
-    for (plan, _), (i_off, i_on, i_twin) in zip(cases, where, strict=True):
-        ref = references[arithmetic_of(plan.strategy.dtype)]
-        verdict = judge(ref, results[i_off], arithmetic_of(plan.strategy.dtype))
+    for (make_model, plan, _), (i_off, i_on, i_twin) in zip(cases, where, strict=True):
+        arithmetic = arithmetic_of(plan.strategy.dtype)
+        ref = references[make_model, arithmetic]
+        judged = "float32" if arithmetic == "float64" and lowered[make_model] else arithmetic
+        verdict = judge(ref, results[i_off], judged)
         if i_on is not None:
             twin = as_trace(results[i_twin], ref.initial) if i_twin is not None else None
             verdict = with_dropout(verdict, results[i_on], twin)
         verdicts.append(verdict)
     return verdicts
-
-
-def in_eval_mode(make_model: Callable[[], nn.Module]) -> nn.Module:
-    """The model ``make_model`` builds, in eval mode: its dropout draws nothing."""
-    return make_model().eval()
-
-
-@torch.no_grad()
-def draws_masks(make_model: Callable[[], nn.Module], loss_fn: Any, tokens: torch.Tensor) -> bool:
-    """Whether the model's training forward is random (dropout anywhere, as a module, a functional
-    call or attention's ``dropout_p``): one batch's loss under two seeds."""
-    model = make_model().train()
-    losses = []
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        losses.append(loss_of(model, tokens, loss_fn))
-    return not torch.equal(losses[0], losses[1])
 
 
 def without_recompute(plan: Plan) -> Plan:

@@ -15,7 +15,7 @@ import math
 
 import pulp
 
-from autopar.cost_models.terms import Terms
+from autopar.cost_models.terms import Terms, zero3_unhidden_s
 from autopar.planner.solver import mip_solver, solve
 
 MIP_GAP = 1e-6
@@ -149,15 +149,15 @@ class LayoutILP:
             self.prob += hinge >= rs - overlap, f"zero_reduce_scatter_{k}"
             self.prob += self.dp_time >= mb * hinge + lat + spb * weights, f"dp_exposed_{k}"
         else:  # ZeRO-3: weight gathers beyond forward / backward compute, every micro-batch
-            full = "full" in self.choices
-            full_w = self.n[k, "full"] * terms.block["full"].params * terms.weight_bytes if full else 0
-            full_layers = self.n[k, "full"] if full else 0
+            # (one gather before the backward serves a recomputed forward too: ``dp_exposed_s``)
             gather_b = pulp.LpVariable(f"zero3_backward_excess_{k}", lowBound=0)
-            self.prob += hinge >= layers_k * lat + spb * weights - kappa * fwd_k, f"zero3_forward_gather_{k}"
-            backward = (
-                (layers_k + full_layers) * lat + spb * (weights + full_w) + layers_k * rlat + rspb * grad
-            )
+            gather = layers_k * lat + spb * weights
+            first, last = (x * ts for x in zero3_unhidden_s(terms))
+            self.prob += hinge >= gather - kappa * fwd_k, f"zero3_forward_gather_{k}"
+            self.prob += hinge >= first, f"zero3_first_gather_{k}"
+            backward = gather + layers_k * rlat + rspb * grad
             self.prob += gather_b >= backward - kappa * bwd_k, f"zero3_backward_gather_reduce_{k}"
+            self.prob += gather_b >= first + last, f"zero3_first_gather_last_reduce_{k}"
             self.prob += self.dp_time >= mb * (hinge + gather_b), f"dp_exposed_{k}"
 
     def layout(self) -> tuple[tuple[int, int, int], ...]:

@@ -199,9 +199,7 @@ def lower_bound_s(
         tp_s=0.0,
         bwd_s=(blocks * longest.bwd_s + sum(e.bwd_s for e in edges)) / st.pp,
         params=params / st.pp,
-        full_params=0.0,
         layers=(blocks + 2) // st.pp,
-        full_layers=0,
         act_bytes=0.0,
         has_full=False,
     )

@@ -108,12 +108,21 @@ class LayerILP:
             )
             base = op_compute_s(n, ctx.cluster, ctx.dtype)
             for i, s in enumerate(self.options[n]):
-                own = collectives_s(own_collectives(n, s), ctx.t, ctx.link)
+                own = collectives_s(own_collectives(n, s), ctx.t, ctx.link, ctx.forward_passes)
                 self.cost.append((base * s.compute_fraction + own) * self.x[n, i])
                 to = R if n.name in ctx.final else ctx.stream
                 if n.name in ctx.outputs and s.out != to:
                     grad, final = n.name in ctx.grads, n.name in ctx.final
-                    c, _ = leave(n, s.out, to, ctx.t, ctx.link, grad=grad, final=final)
+                    c, _ = leave(
+                        n,
+                        s.out,
+                        to,
+                        ctx.t,
+                        ctx.link,
+                        grad=grad,
+                        final=final,
+                        forward_passes=ctx.forward_passes,
+                    )
                     if c == INFEASIBLE:
                         self.prob += self.x[n, i] == 0, f"output_stream_{n.name}_{i}"
                     else:
@@ -145,7 +154,15 @@ class LayerILP:
                 for b, sv in enumerate(self.options[v]):
                     need = sv.inputs[slot] if slot < len(sv.inputs) else R
                     for a, have in pairs:
-                        c, _ = reshard(have, need, size, ctx.t, ctx.link, grad=u.name in ctx.grads)
+                        c, _ = reshard(
+                            have,
+                            need,
+                            size,
+                            ctx.t,
+                            ctx.link,
+                            grad=u.name in ctx.grads,
+                            forward_passes=ctx.forward_passes,
+                        )
                         active = x[v, b] if a is None else x[u, a] + x[v, b] - 1
                         tag = f"{u.name}_{v.name}_{slot}_{a}_{b}"
                         if c == INFEASIBLE:
@@ -206,6 +223,7 @@ def choose_layer(
     time_limit_s: float = 10.0,
     index: GraphIndex | None = None,
     fastest: LayerTP | None = None,
+    forward_passes: int = 1,
 ) -> LayerTP:
     """Solve the ILP above for the operators of layer index ``layer`` (or of several layers solved
     together: embedding and head, which may share a weight) at TP degree ``t`` (``sp``: the
@@ -217,11 +235,14 @@ def choose_layer(
     the least time with memory ≤ M*·(1 + LEAN_SLACK), so that a few bytes of replicated norm
     weights don't buy a slower layout; ``fastest`` (this layer's ``time`` choice, when the caller
     has it) is returned as it is when it is within that bound, which saves the second solve.
-    ``index``: ``index_graph(gm)``, when the caller solves several layers of one graph."""
+    ``index``: ``index_graph(gm)``, when the caller solves several layers of one graph;
+    ``forward_passes``: 2 when every block recomputes in full (forward collectives count twice)."""
     if objective not in TP_OBJECTIVES:
         raise ValueError(f"objective must be one of {', '.join(TP_OBJECTIVES)}, got {objective!r}")
     layers = (layer,) if isinstance(layer, int) else layer
-    ctx = layer_context(gm, layers, t, cluster, dtype=dtype, sp=sp, index=index)
+    ctx = layer_context(
+        gm, layers, t, cluster, dtype=dtype, sp=sp, index=index, forward_passes=forward_passes
+    )
     ilp = LayerILP(ctx, "tp_layer_" + "_".join(map(str, layers)), memory_budget_bytes)
     within = "" if memory_budget_bytes is None else f" within {memory_budget_bytes / 2**20:,.1f} MiB"
     failure = f"no tensor-parallel layout of layer {layer} at tp {t}{within}"

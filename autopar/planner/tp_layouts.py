@@ -46,11 +46,13 @@ def layer_choices(
     objective: str = "time",
     fastest: list[tuple[int, tuple[Layer, ...], LayerTP]] | None = None,
     index: GraphIndex | None = None,
+    forward_passes: int = 1,
 ) -> list[tuple[int, tuple[Layer, ...], LayerTP]]:
     """Every ILP a model needs, as (times it runs per micro-batch, the layers one solve covers,
     choice): one per block type (solved on its first block), and one for embedding and head
     together (they may share a weight, which then takes one placement). ``fastest``: this
-    function's answer for ``time`` (``choose_layer`` may reuse it for ``memory``)."""
+    function's answer for ``time`` (``choose_layer`` may reuse it for ``memory``);
+    ``forward_passes``: ``forward_passes(st, blocks)``."""
     blocks: dict[str, list[Layer]] = {}
     for layer in cap.layers[1:-1]:
         blocks.setdefault(layer.type, []).append(layer)
@@ -72,10 +74,19 @@ def layer_choices(
                 objective=objective,
                 index=index,
                 fastest=hint,
+                forward_passes=forward_passes,
             ),
         )
         for (repeats, layers), hint in zip(groups, hints, strict=True)
     ]
+
+
+def forward_passes(st: Strategy, blocks: int) -> int:
+    """How often a block's forward runs per micro-batch: 2 when every block recomputes in full,
+    else 1 (a mix is priced as no recompute: the per-operator choice is made once for a block
+    type; the outer model still counts each full block's collectives twice)."""
+    full = all(counts[2] == sum(counts) for counts in st.blocks_per_rank(blocks))
+    return 2 if full else 1
 
 
 def tp_tables(
@@ -90,7 +101,16 @@ def tp_tables(
             f"tp {st.tp}: no way to split {heads} attention heads {st.tp} ways; "
             "choose a tp that divides the head count"
         )
-    choices = layer_choices(cap, cluster, st.tp, st.dtype, sp=st.sequence_parallel, objective=st.tp_objective)
+    passes = forward_passes(st, len(cap.layers) - 2)
+    choices = layer_choices(
+        cap,
+        cluster,
+        st.tp,
+        st.dtype,
+        sp=st.sequence_parallel,
+        objective=st.tp_objective,
+        forward_passes=passes,
+    )
     return tuple(
         (layer.type, plan_table(cap.gm, layer.index, layer.name, choice))
         for _, layers, choice in choices
@@ -115,8 +135,8 @@ class TPLayouts:
         capture; the search solves once, on micro-batch 1's)."""
         self.profiles, self.cluster, self.dtype, self.micro_batch = profiles, cluster, dtype, micro_batch
         self._index: GraphIndex | None = None
-        self.choices: dict[tuple[int, bool, str], list[tuple[int, tuple[Layer, ...], LayerTP]]] = {}
-        self.solved: dict[tuple[int, bool, str], TPLayout] = {}
+        self.choices: dict[tuple[int, bool, str, int], list[tuple[int, tuple[Layer, ...], LayerTP]]] = {}
+        self.solved: dict[tuple[int, bool, str, int], TPLayout] = {}
         self.lean_pays: dict[tuple[int, bool], bool] = {}
 
     @property
@@ -132,10 +152,12 @@ class TPLayouts:
             self._index = index_graph(self.graph.gm)
         return self._index
 
-    def _choices(self, tp: int, sp: bool, objective: str) -> list[tuple[int, tuple[Layer, ...], LayerTP]]:
-        key = (tp, sp, objective)
+    def _choices(
+        self, tp: int, sp: bool, objective: str, passes: int
+    ) -> list[tuple[int, tuple[Layer, ...], LayerTP]]:
+        key = (tp, sp, objective, passes)
         if key not in self.choices:
-            fastest = self._choices(tp, sp, "time") if objective == "memory" else None
+            fastest = self._choices(tp, sp, "time", passes) if objective == "memory" else None
             self.choices[key] = layer_choices(
                 self.graph,
                 self.cluster,
@@ -145,13 +167,14 @@ class TPLayouts:
                 objective=objective,
                 fastest=fastest,
                 index=self.index,
+                forward_passes=passes,
             )
         return self.choices[key]
 
     def __call__(self, st: Strategy) -> TPLayout | None:
         if st.tp == 1:
             return None
-        key = (st.tp, st.sequence_parallel, st.tp_objective)
+        key = (st.tp, st.sequence_parallel, st.tp_objective, forward_passes(st, len(self.graph.layers) - 2))
         if key not in self.solved:
             self.solved[key] = layout_of(self.graph, st.tp, self._choices(*key), self.index)
         return self.solved[key]
@@ -176,4 +199,4 @@ class TPLayouts:
         return [st, lean] if self.lean_pays[key] else [st]
 
 
-__all__ = ["TPLayouts", "layer_choices", "layout_of", "plan_table", "tp_tables"]
+__all__ = ["TPLayouts", "forward_passes", "layer_choices", "layout_of", "plan_table", "tp_tables"]

@@ -25,9 +25,10 @@ MANIFEST = "autopar.json"
 """The checkpoint's description, next to DCP's ``.metadata``."""
 
 
-def save_checkpoint(pm: Any, path: str | os.PathLike[str]) -> None:
+def save_checkpoint(pm: Any, path: str | os.PathLike[str], trainer: dict[str, Any] | None = None) -> None:
     """Save ``pm``'s model, optimizer (and loss-scaler) state to the folder ``path``. Every rank
-    writes into ``<path>.tmp``; once all have finished, rank 0 writes the manifest and swaps the
+    writes into ``<path>.tmp``; once all have finished, rank 0 writes the manifest (with
+    ``trainer``, the loop's own JSON state: step, data position, random states) and swaps the
     folder in, so ``path`` holds either the previous checkpoint or this one, never a mix.
     Collective: call on every rank (a file system all ranks share)."""
     import torch.distributed.checkpoint as dcp
@@ -45,7 +46,7 @@ def save_checkpoint(pm: Any, path: str | os.PathLike[str]) -> None:
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()  # every rank's shard is on disk
     if dist.get_rank() == 0:
-        write_atomic(tmp / MANIFEST, json.dumps(_manifest(pm), indent=1))
+        write_atomic(tmp / MANIFEST, json.dumps({**_manifest(pm), "trainer": trainer or {}}, indent=1))
         old = path.with_name(path.name + ".old")
         if path.exists():
             os.replace(path, old)
@@ -130,6 +131,13 @@ def check_checkpoint(
         )
 
 
+def trainer_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The loop state saved with the checkpoint folder ``path`` (``save_checkpoint``'s
+    ``trainer``; {} for a checkpoint saved without one)."""
+    state = _read_manifest(Path(path)).get("trainer", {})
+    return state if isinstance(state, dict) else {}
+
+
 def _read_manifest(path: Path) -> dict[str, Any]:
     """The manifest, or {} for a folder saved with plain DCP."""
     try:
@@ -145,4 +153,4 @@ def _count(saved: dict[str, Any]) -> int:
     return sum(math.prod(m.size) for k, m in saved.items() if k.startswith("model.") and hasattr(m, "size"))
 
 
-__all__ = ["MANIFEST", "check_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["MANIFEST", "check_checkpoint", "load_checkpoint", "save_checkpoint", "trainer_state"]

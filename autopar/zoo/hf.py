@@ -8,6 +8,8 @@ unmodified, with seeded random weights and dropout off so that runs compare exac
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -16,22 +18,7 @@ def gpt2(
     *, layers: int = 2, width: int = 64, heads: int = 4, vocab: int = 64, seq: int = 32, seed: int = 0
 ) -> nn.Module:
     """GPT-2 (Conv1D projections, fused QKV, tied head), dropout 0."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    cfg = GPT2Config(
-        n_layer=layers,
-        n_embd=width,
-        n_head=heads,
-        vocab_size=vocab,
-        n_positions=seq,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(cfg)
+    return family("gpt2", layers=layers, width=width, heads=heads, vocab=vocab, seq=seq, seed=seed)
 
 
 def llama(
@@ -59,3 +46,113 @@ def llama(
         max_position_embeddings=seq,
     )
     return LlamaForCausalLM(cfg)
+
+
+def _dense(*, layers: int, width: int, heads: int, vocab: int, seq: int) -> dict[str, int]:
+    """The config keys most decoder families share (Llama's names)."""
+    return dict(
+        num_hidden_layers=layers,
+        hidden_size=width,
+        num_attention_heads=heads,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+    )
+
+
+def _family_config(name: str, *, layers: int, width: int, heads: int, vocab: int, seq: int) -> dict[str, Any]:
+    """(config class, model class, config keys) of one family at a tiny size, dropout off. Each
+    family's attention form is what it ships with (``attn_implementation`` as its config
+    defaults: SDPA where the family allows it, eager attention where it needs scores — Gemma-2's
+    softcapping, BLOOM's ALiBi)."""
+    table = _family_table(layers=layers, width=width, heads=heads, vocab=vocab, seq=seq)
+    if name not in table:
+        raise ValueError(f"no Hugging Face family {name!r}: one of {', '.join(table)}")
+    config, model, keys = table[name]
+    return {"config": config, "model": model, "keys": keys}
+
+
+def _family_table(
+    *, layers: int, width: int, heads: int, vocab: int, seq: int
+) -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """Family → (config class, model class, config keys)."""
+    dense = _dense(layers=layers, width=width, heads=heads, vocab=vocab, seq=seq)
+    gqa = {**dense, "num_key_value_heads": max(1, heads // 2), "intermediate_size": 2 * width}
+    gpt = dict(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=seq)
+    nodrop = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return {
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel", {**gpt, **nodrop, "bos_token_id": 0, "eos_token_id": 0}),
+        "llama": ("LlamaConfig", "LlamaForCausalLM", gqa),
+        "llama-eager": ("LlamaConfig", "LlamaForCausalLM", {**gqa, "attn_implementation": "eager"}),
+        "mistral": ("MistralConfig", "MistralForCausalLM", {**gqa, "sliding_window": seq // 4}),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", gqa),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**gqa, "head_dim": width // heads}),
+        "gemma": ("GemmaConfig", "GemmaForCausalLM", {**gqa, "head_dim": width // heads}),
+        "gemma2": (
+            "Gemma2Config",
+            "Gemma2ForCausalLM",
+            {**gqa, "head_dim": width // heads, "sliding_window": seq // 4},
+        ),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", {**gqa, "pad_token_id": 0, "eos_token_id": 0}),
+        "falcon": (  # Falcon-7B's layout: multi-query, fused QKV, parallel attention + MLP
+            "FalconConfig",
+            "FalconForCausalLM",
+            {k: v for k, v in dense.items() if k != "max_position_embeddings"},
+        ),
+        "falcon-40b": (  # grouped heads laid out per group: [q … q k v] per KV head
+            "FalconConfig",
+            "FalconForCausalLM",
+            {
+                **{k: v for k, v in dense.items() if k != "max_position_embeddings"},
+                "new_decoder_architecture": True,
+                "num_kv_heads": max(1, heads // 2),
+            },
+        ),
+        "gpt-neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {**dense, "intermediate_size": 2 * width}),
+        "bloom": (
+            "BloomConfig",
+            "BloomForCausalLM",
+            dict(n_layer=layers, hidden_size=width, n_head=heads, vocab_size=vocab),
+        ),
+        "opt": (
+            "OPTConfig",
+            "OPTForCausalLM",
+            {**dense, "ffn_dim": 2 * width, "word_embed_proj_dim": width, "dropout": 0.0, "pad_token_id": 1},
+        ),
+        "gpt-bigcode": (  # StarCoder: multi-query attention behind one fused projection
+            "GPTBigCodeConfig",
+            "GPTBigCodeForCausalLM",
+            {**gpt, **nodrop, "multi_query": True, "bos_token_id": 0, "eos_token_id": 0},
+        ),
+        "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**gqa, "pad_token_id": 0, "eos_token_id": 0}),
+        "stablelm": ("StableLmConfig", "StableLmForCausalLM", gqa),
+        "phi": ("PhiConfig", "PhiForCausalLM", {**dense, "intermediate_size": 2 * width}),
+        "gptj": ("GPTJConfig", "GPTJForCausalLM", {**gpt, **nodrop, "rotary_dim": width // heads // 2}),
+    }
+
+
+FAMILIES = (
+    "gpt2", "llama", "llama-eager", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "falcon",
+    "falcon-40b", "gpt-neox", "bloom", "opt", "gpt-bigcode", "olmo2", "stablelm", "phi", "gptj",
+)  # fmt: skip
+"""The causal-LM families ``family`` builds (the suite runs each through capture, DP, TP and PP)."""
+
+
+def family(
+    name: str,
+    *,
+    layers: int = 2,
+    width: int = 64,
+    heads: int = 4,
+    vocab: int = 64,
+    seq: int = 32,
+    seed: int = 0,
+) -> nn.Module:
+    """A tiny ``name`` model (``FAMILIES``) from its published architecture, unmodified, with
+    seeded random weights and dropout off."""
+    import transformers
+
+    spec = _family_config(name, layers=layers, width=width, heads=heads, vocab=vocab, seq=seq)
+    cfg = getattr(transformers, spec["config"])(**spec["keys"])
+    torch.manual_seed(seed)
+    model: nn.Module = getattr(transformers, spec["model"])(cfg)
+    return model

@@ -21,6 +21,9 @@ def test_presets_have_datasheet_numbers() -> None:
     assert a100.device.peak_flops["bf16"] == 312e12
     assert Cluster.preset("dgx-a100-40g").device.hbm_bandwidth_bytes_per_s == 1.555e12
     assert Cluster.preset("dgx-h200").device.memory_bytes == 141e9
+    capped = Cluster.preset("h100-96g-500w").device  # stated assumptions: peak × 500/700, HBM2e
+    assert capped.peak_flops["bf16"] == pytest.approx(989e12 * 500 / 700) and capped.memory_bytes == 96e9
+    assert capped.hbm_bandwidth_bytes_per_s == 2.4e12
     cpu = Cluster.preset("cpu", gpus_per_node=4)
     assert cpu.world_size == 4 and cpu.device.memory_bytes == 5 * 2**30
     assert set(PRESETS) >= {"dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "dgx-h200", "cpu"}

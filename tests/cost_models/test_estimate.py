@@ -97,7 +97,10 @@ def test_dp_comm_crosses_nodes_and_3d_beats_pure_dp_without_zero() -> None:
 
 def test_zero3_alone_collapses_at_scale_where_3d_does_not() -> None:
     """Narayanan et al. SC'21 §5.2: ZeRO-3 without model parallelism on the 175B model loses
-    throughput per GPU as GPUs double at a fixed batch (cross-node traffic); PTD-P barely does."""
+    throughput per GPU as GPUs double at a fixed batch (cross-node traffic); PTD-P barely does.
+    The paper's PTD-P leads DeepSpeed's ZeRO-3 by 70% at 768 GPUs; DeepSpeed re-gathers the
+    weights for the recomputed forward, FSDP2 (which autopar runs and prices) does not, so the
+    lead priced here is smaller, but still over 40%."""
     three_d_profile = ModelProfiles.of("gpt3-175b", dtype="bf16", seq=2048).at(1)
     zero3, three_d = [], []
     for nodes, b in ((96, 2), (192, 1)):  # 768 and 1536 GPUs, global batch 1536
@@ -120,7 +123,7 @@ def test_zero3_alone_collapses_at_scale_where_3d_does_not() -> None:
         )
     for z, d in zip(zero3, three_d, strict=True):
         assert z.fits and d.fits
-        assert z.tflops_per_gpu < 0.6 * d.tflops_per_gpu
+        assert z.tflops_per_gpu < 0.7 * d.tflops_per_gpu
     assert zero3[1].tflops_per_gpu < 0.6 * zero3[0].tflops_per_gpu  # communication-bound
     assert three_d[1].tflops_per_gpu > 0.9 * three_d[0].tflops_per_gpu
 
@@ -276,3 +279,48 @@ def test_model_without_blocks_is_a_clear_error(capsys, tmp_path) -> None:
         capsys, "estimate", f"{path}:make", "--cluster", "cpu", "--global-batch", "2", "--seq", "8"
     )
     assert code == 2 and "repeated blocks" in err and len(err.strip().splitlines()) == 1
+
+
+def test_zero3_gathers_twice_per_micro_batch_even_under_full_recompute() -> None:
+    """FSDP2 wraps the checkpointed block, so the gather before its backward also serves the
+    recomputed forward: on a network too slow for compute to hide anything, full recompute only
+    adds compute that hides more of the same two gathers (no third gather of the weights)."""
+    import dataclasses
+
+    from autopar.cluster import LinkSpec
+
+    profile = ModelProfiles.of("gpt2-medium", dtype="bf16", seq=1024).at(1)
+    base = Cluster.preset("dgx-a100-80g", nodes=2)
+    slow = dataclasses.replace(base, inter_node=LinkSpec(bandwidth_bytes_per_s=1e9, latency_s=1e-5))
+    st = Strategy(dp=16, zero=3, global_batch=16, seq=1024)
+    none = estimate(profile, slow, st)
+    full = estimate(profile, slow, dataclasses.replace(st, recompute="full"))
+    hidden_more = full.breakdown_s["recompute"]  # the recomputed forward, inside the backward
+    assert none.breakdown_s["dp_comm"] > 10 * hidden_more  # communication-bound
+    assert full.breakdown_s["dp_comm"] == pytest.approx(none.breakdown_s["dp_comm"] - hidden_more, rel=1e-9)
+
+
+def test_zero3_first_gather_and_last_reduce_scatter_stay_exposed() -> None:
+    """On fast links with plenty of compute, ZeRO-3 still exposes one block's gather per
+    direction and one block's reduce-scatter per micro-batch: nothing runs before the first
+    block or after the last to hide them (α + σ·bytes of one block, ring over dp)."""
+    from autopar.cost_models.terms import build_terms, zero3_unhidden_s
+
+    profile = ModelProfiles.of("llama3-8b", dtype="bf16", seq=8192).at(2)
+    cluster = Cluster.preset("dgx-h100")
+    st = Strategy(dp=8, zero=3, micro_batch=2, global_batch=32, seq=8192)  # 2 micro-batches
+    est = estimate(profile, cluster, st)
+    terms = build_terms(profile, cluster, st)
+    first, last = zero3_unhidden_s(terms)
+    (block,) = set(profile.layers[1:-1])
+    block_bytes = profile.layer_types[block].params * 2  # bf16 weights of one block
+    ring = 7 / 8 / cluster.intra_node.bandwidth_bytes_per_s  # all-gather over 8 GPUs of a node
+    assert first == pytest.approx(7 * cluster.intra_node.latency_s + ring * block_bytes, rel=1e-6)
+    assert est.breakdown_s["dp_comm"] == pytest.approx(2 * (2 * first + last), rel=1e-9)
+
+
+def test_estimate_names_the_peak_it_priced_with() -> None:
+    profile = ModelProfiles.of("gpt2-medium", dtype="bf16", seq=1024).at(1)
+    est = estimate(profile, Cluster.preset("h100-96g-500w"), Strategy(dp=8, global_batch=8, seq=1024))
+    assert est.compute_basis.startswith("706 TFLOP/s bf16 peak × matmul efficiency 0.70 = 494 TFLOP/s")
+    assert "H100-96GB-HBM2e-500W" in est.compute_basis and est.to_dict()["compute_basis"] == est.compute_basis

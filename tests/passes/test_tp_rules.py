@@ -64,3 +64,69 @@ def test_propagation_completes_megatron_from_the_deciding_ops() -> None:
     got = propagate(order, decided, 2)
     assert got["view"].out == "S2" and got["transpose"].out == "S1"  # (B, heads, T, hd): heads split
     assert got["gelu"].out == "S2" and got["layer_norm"].out == R and got["add_2"].out == R
+
+
+def _math_block():
+    """A block with explicit attention (scores, masked_fill with a causal-mask buffer, softmax,
+    dropout), as Megatron-LM wrote it and the 22B run of Korthikanti et al. ran."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16, attention="math"))
+    cap = capture(model, batch=2, seq=16)
+    return {n.name: n for n in layer_nodes(cap.gm, 1)}
+
+
+def test_masked_fill_follows_the_heads_with_the_mask_whole() -> None:
+    nodes = _math_block()
+    fill = {s.out: s for s in strategies(nodes["masked_fill"], 2)}
+    assert fill["S1"].inputs == ("S1", RF)  # scores split over heads; the (s, s) mask broadcast, whole
+    assert fill["S3"].inputs == ("S3", "S1")  # split over keys: the (s, s) mask splits with them
+    softmax = {s.out for s in strategies(nodes["softmax"], 2)}
+    assert "S1" in softmax and "S3" not in softmax
+
+
+def test_explicit_attention_gets_megatrons_layout() -> None:
+    """The per-operator ILP splits the heads through scores, mask, softmax and dropout: no
+    placement change between the QKV projection and the output projection."""
+    from autopar.cluster import Cluster
+    from autopar.planner.tp_layouts import layer_choices
+
+    with torch.device("meta"):
+        model = GPT(
+            GPTConfig(n_layer=2, n_embd=2048, n_head=16, vocab_size=512, block_size=1024, attention="math")
+        )
+    cap = capture(model, batch=1, seq=1024)
+    (_, layers, choice), _ = layer_choices(cap, Cluster.preset("dgx-a100-80g"), 8, "bf16")
+    chosen = {n.name: choice.strategies[n.name] for n in layer_nodes(cap.gm, layers[0].index)}
+    for name in ("matmul", "masked_fill", "softmax", "matmul_1"):
+        assert chosen[name].out == "S1", (name, chosen[name])
+    assert (chosen["linear"].name, chosen["linear_1"].name) == ("column", "row")
+    gathered = {c.at for c in choice.collectives if c.kind == "all_gather" and c.phase == "forward"}
+    assert not gathered & {"matmul", "mul", "masked_fill", "softmax", "dropout_1", "matmul_1"}, gathered
+
+
+def test_alibi_select_and_index_rules() -> None:
+    """BLOOM's baddbmm adds ALiBi over (batch·heads, 1, s): the bias follows dim 0 split; Falcon
+    picks q/k/v with select (dim dropped) and index (a 1-D index list): the picked dim never splits."""
+    from autopar.zoo import hf
+
+    bloom = capture(hf.family("bloom"), batch=1, seq=16)
+    (bmm,) = [n for n in layer_nodes(bloom.gm, 1) if n.target == torch.ops.aten.baddbmm.default]
+    split = [s for s in strategies(bmm, 2) if s.out == "S0"]
+    assert split and split[0].inputs == ("S0", "S0", "S0")  # per-head ALiBi slopes: split with the heads
+    falcon = capture(hf.family("falcon-40b"), batch=1, seq=16)
+    nodes = layer_nodes(falcon.gm, 1)
+    (index, *_) = [n for n in nodes if n.target == torch.ops.aten.index.Tensor]
+    outs = {s.out for s in strategies(index, 2)}
+    assert "S3" not in outs and "S2" in outs  # (b, s, kv groups, picked, d): groups split, picked dim not
+    assert any(n.target == torch.ops.aten.linear.default for n in nodes)  # FalconLinear's x @ W.T folded
+
+
+def test_fused_gate_up_chunk_is_column_sharded_chunk_wise() -> None:
+    from autopar.passes.tp_rules import fused_chunks
+    from autopar.zoo import hf
+
+    cap = capture(hf.family("phi3"), batch=1, seq=16)
+    nodes = layer_nodes(cap.gm, 1)
+    (chunk,) = [n for n in nodes if n.target == torch.ops.aten.chunk.default]
+    assert fused_chunks(chunk.args[0]) == 2  # gate | up: _StridedShard(0, split_factor=2)
+    assert "S2" in {s.out for s in strategies(chunk, 2)}

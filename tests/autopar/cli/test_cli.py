@@ -98,6 +98,7 @@ def test_clusters_lists_presets(capsys) -> None:
         "dgx-a100-80g",
         "dgx-h100",
         "dgx-h200",
+        "h100-96g-500w",
         "cpu",
     ]
     assert main(["clusters"]) == 0

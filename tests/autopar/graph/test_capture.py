@@ -221,3 +221,29 @@ def test_zoo_models_capture_on_meta(name: str) -> None:
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         active -= experts * 3 // 4
     assert 6 * 128 * active <= cap.step_flops <= 1.1 * 6 * 128 * active
+
+
+def test_causal_attention_kernel_flops_are_about_half() -> None:
+    """A causal flash kernel computes the key blocks on and below the diagonal: (s + 1)/(2s) of
+    the s² products (FlashAttention-2 §3.1.1), which time is priced from; model FLOPs (MFU's
+    convention) keep the full count. An explicit mask is applied to every score: no saving."""
+    from autopar.zoo import GPT, GPTConfig
+
+    aten = torch.ops.aten
+    for attention, share in (("sdpa", (16 + 1) / (2 * 16)), ("math", 1.0)):
+        with torch.device("meta"):
+            model = GPT(
+                GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16, attention=attention)
+            )
+        cap = capture(model, batch=2, seq=16)
+        core = [
+            n
+            for n in cap.gm.graph.nodes
+            if n.target in (aten.scaled_dot_product_attention.default, aten.matmul.default)
+            and n.meta.get("autopar.layer") == 1
+        ]
+        assert core
+        for n in core:
+            assert n.meta["autopar.kernel_flops"] == round(n.meta["autopar.fwd_flops"] * share)
+    linear = next(n for n in cap.gm.graph.nodes if n.target == aten.linear.default)
+    assert linear.meta["autopar.kernel_flops"] == linear.meta["autopar.fwd_flops"]

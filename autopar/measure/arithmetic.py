@@ -1,0 +1,97 @@
+"""What a check computes in: the arithmetic a plan is run and judged in, and whether a model's
+training forward is random or computes below float64 on purpose (``verify`` reads these)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.runtime.loss import loss_of
+
+
+def model_for_check(make_model: Callable[[], nn.Module], arithmetic: str) -> nn.Module:
+    """The model ``make_model`` builds, in float64 for a ``float64`` check."""
+    model = make_model()
+    return model.double() if arithmetic == "float64" else model
+
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""Half-precision arithmetic → the autocast dtype of its reference."""
+
+
+def arithmetic_of(dtype: str) -> str:
+    """What a plan of ``dtype`` is checked in: fp32 (and fp64) plans in float64, half-precision
+    ones in their own dtype."""
+    return "float64" if dtype in ("fp32", "fp64") else dtype
+
+
+def in_eval_mode(make_model: Callable[[], nn.Module]) -> nn.Module:
+    """The model ``make_model`` builds, in eval mode: its dropout draws nothing."""
+    return make_model().eval()
+
+
+@torch.no_grad()
+def draws_masks(make_model: Callable[[], nn.Module], loss_fn: Any, tokens: torch.Tensor) -> bool:
+    """Whether the model's training forward is random (dropout anywhere, as a module, a functional
+    call or attention's ``dropout_p``): one batch's loss under two seeds."""
+    model = make_model().train()
+    losses = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        losses.append(loss_of(model, tokens, loss_fn))
+    return not torch.equal(losses[0], losses[1])
+
+
+class _FloatDtypes(TorchDispatchMode):
+    """The floating dtypes of the operator outputs run under it while ``active``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+        self.active = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if self.active and isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.seen.add(t.dtype)
+        return out
+
+
+@torch.no_grad()
+def computes_below_float64(make_model: Callable[[], nn.Module], loss_fn: Any, tokens: torch.Tensor) -> bool:
+    """Whether the model, made float64, still computes some operators of its forward in a lower
+    precision on purpose (Gemma's and Llama's norms: ``x.float()``, ``x.to(torch.float32)``): one
+    batch's forward. A loss that upcasts or downcasts the logits does not count (the verdict's loss
+    bound allows for it)."""
+    model = make_model().double().eval()
+    mode = _FloatDtypes()
+
+    def start(*_: Any) -> None:
+        mode.active = True
+
+    def stop(*_: Any) -> None:
+        mode.active = False
+
+    hooks = [model.register_forward_pre_hook(start), model.register_forward_hook(stop)]
+    try:
+        with mode:
+            loss_of(model, tokens, loss_fn)
+    finally:
+        for h in hooks:
+            h.remove()
+    return any(d != torch.float64 for d in mode.seen)
+
+
+__all__ = [
+    "HALF",
+    "arithmetic_of",
+    "computes_below_float64",
+    "draws_masks",
+    "in_eval_mode",
+    "model_for_check",
+]
