@@ -6,9 +6,10 @@
 autopar plans for the launched world (rank 0 plans, every rank gets the same plan; --tp/--pp
 fix those degrees, the planner chooses the rest), applies the plan, and this script trains on
 synthetic tokens, logging loss, tokens/s and peak memory per step on rank 0. With
---checkpoint it saves every N steps (``autopar.Checkpointer``) and, started again (by hand or
-by ``torchrun --max-restarts``), resumes from the newest complete checkpoint; step k's batch is
-a function of k alone, so a resumed run sees the same data as one that never stopped.
+--checkpoint it saves every N steps (``autopar.Checkpointer``) and, started again, resumes from
+the newest complete checkpoint; step k's batch is a function of k alone, so a resumed run sees
+the same data as one that never stopped (restarts by ``torchrun --max-restarts``: see the
+README's fault-tolerance paragraph for what is and isn't reliable yet).
 """
 
 from __future__ import annotations
