@@ -150,6 +150,12 @@ def _shape(n: fx.Node) -> tuple[int, ...]:
     return tuple(n.meta.get("autopar.shape", ()))
 
 
+def is_stream_op(n: fx.Node, h: int | None) -> bool:
+    """An operator on the residual stream (``OpCost.stream``): no FLOPs, an output (…, h)."""
+    shape = _shape(n)
+    return not n.meta.get("autopar.fwd_flops", 0) and len(shape) >= 2 and shape[-1] == h
+
+
 def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) -> LayerCost:
     ops, stream_b, sharded_b, quad_b, quad_f, tp_bytes, tp_count = [], 0, 0, 0, 0, 0, 0
     for n in members:
@@ -157,7 +163,7 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
             continue
         shape, flops = _shape(n), int(n.meta.get("autopar.fwd_flops", 0))
         mem = int(n.meta.get("autopar.mem_bytes", 0))
-        is_stream = flops == 0 and len(shape) >= 2 and shape[-1] == h
+        is_stream = is_stream_op(n, h)
         if flops or mem:
             kernel = int(n.meta.get("autopar.kernel_flops", flops))
             ops.append(OpCost(flops=flops, kernel_flops=kernel, mem_bytes=mem, stream=is_stream))

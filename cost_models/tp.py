@@ -38,6 +38,7 @@ from autopar.cost_models.comm import (
     group_link,
     reduce_scatter_time_s,
 )
+from autopar.cost_models.profile import is_stream_op
 from autopar.cost_models.terms import TPLayer, TPLayout
 from autopar.graph import CapturedModel, Layer
 from autopar.passes.tp_graph import GraphIndex, index_graph
@@ -451,11 +452,8 @@ def _stream_shares(
     for layer in layers:
         moved = total = 0.0
         for n in index.layers.get(layer.index, ()):
-            shape, mem = n.meta.get("autopar.shape", ()), n.meta.get("autopar.mem_bytes", 0)
-            stream = (
-                not n.meta.get("autopar.fwd_flops", 0) and len(shape) >= 2 and shape[-1] == cap.hidden_size
-            )
-            if stream and mem and n.name in choice.strategies:
+            mem = n.meta.get("autopar.mem_bytes", 0)
+            if is_stream_op(n, cap.hidden_size) and mem and n.name in choice.strategies:
                 moved, total = moved + mem * choice.strategies[n.name].compute_fraction, total + mem
         shares[layer.type] = moved / total if total else 1.0
     return shares

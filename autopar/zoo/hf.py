@@ -59,22 +59,13 @@ def _dense(*, layers: int, width: int, heads: int, vocab: int, seq: int) -> dict
     )
 
 
-def _family_config(name: str, *, layers: int, width: int, heads: int, vocab: int, seq: int) -> dict[str, Any]:
-    """(config class, model class, config keys) of one family at a tiny size, dropout off. Each
-    family's attention form is what it ships with (``attn_implementation`` as its config
-    defaults: SDPA where the family allows it, eager attention where it needs scores — Gemma-2's
-    softcapping, BLOOM's ALiBi)."""
-    table = _family_table(layers=layers, width=width, heads=heads, vocab=vocab, seq=seq)
-    if name not in table:
-        raise ValueError(f"no Hugging Face family {name!r}: one of {', '.join(table)}")
-    config, model, keys = table[name]
-    return {"config": config, "model": model, "keys": keys}
-
-
 def _family_table(
     *, layers: int, width: int, heads: int, vocab: int, seq: int
 ) -> dict[str, tuple[str, str, dict[str, Any]]]:
-    """Family → (config class, model class, config keys)."""
+    """Family → (config class, model class, config keys) at a tiny size, dropout off. Each
+    family's attention form is what it ships with (``attn_implementation`` as its config
+    defaults: SDPA where the family allows it, eager attention where it needs scores — Gemma-2's
+    softcapping, BLOOM's ALiBi)."""
     dense = _dense(layers=layers, width=width, heads=heads, vocab=vocab, seq=seq)
     gqa = {**dense, "num_key_value_heads": max(1, heads // 2), "intermediate_size": 2 * width}
     gpt = dict(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=seq)
@@ -151,8 +142,11 @@ def family(
     seeded random weights and dropout off."""
     import transformers
 
-    spec = _family_config(name, layers=layers, width=width, heads=heads, vocab=vocab, seq=seq)
-    cfg = getattr(transformers, spec["config"])(**spec["keys"])
+    table = _family_table(layers=layers, width=width, heads=heads, vocab=vocab, seq=seq)
+    if name not in table:
+        raise ValueError(f"no Hugging Face family {name!r}: one of {', '.join(table)}")
+    config, model_class, keys = table[name]
+    cfg = getattr(transformers, config)(**keys)
     torch.manual_seed(seed)
-    model: nn.Module = getattr(transformers, spec["model"])(cfg)
+    model: nn.Module = getattr(transformers, model_class)(cfg)
     return model
