@@ -268,10 +268,12 @@ def spawn_plans(
     loss_spec: str | None = None,
     optimizer: str = "adamw",
     hooks: list[Hook] | None = None,
+    checkpoint: bool = True,
 ) -> list[dict[str, Any]]:
     """Run every plan (same world size) on local gloo processes, one launch; rank 0's results
-    (``hooks``: see ``Hook``)."""
-    jobs = [Job(make_model, p.to_json(), h) for p, h in zip(plans, hooks or [None] * len(plans), strict=True)]
+    (``hooks``: see ``Hook``; ``checkpoint``: see ``Job.checkpoint``)."""
+    hooks = hooks or [None] * len(plans)
+    jobs = [Job(make_model, p.to_json(), h, checkpoint) for p, h in zip(plans, hooks, strict=True)]
     return spawn_jobs(jobs, plans[0].strategy.world_size, data, tmp, loss_spec=loss_spec, optimizer=optimizer)
 
 
@@ -372,6 +374,7 @@ def verify_runs(
     *,
     loss_spec: str | None = None,
     optimizer: str = "adamw",
+    checkpoint: bool = True,
 ) -> list[Verdict]:
     """The verdict on each (plan, hook) for one model (``verify_cases``)."""
     return verify_cases(
@@ -380,6 +383,7 @@ def verify_runs(
         tmp,
         loss_spec=loss_spec,
         optimizer=optimizer,
+        checkpoint=checkpoint,
     )
 
 

@@ -183,11 +183,12 @@ def shift_stage_boundary() -> Iterator[None]:
         yield
 
 
-def _launch(make, plans, hooks, tmp_path, raw=None):
+def _launch(make, plans, hooks, tmp_path, raw=None, checkpoint=False):
     """One launch of ``plans`` (with ``hooks``); each judged against the single process in its
-    arithmetic (``raw``: the runs' records, appended)."""
+    arithmetic (``raw``: the runs' records, appended; ``checkpoint``: each run also round-trips
+    through DCP, part of the verdict — the mutations here break training, not checkpoints)."""
     data = torch.randint(0, 96, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    results = spawn_plans(make, plans, data, str(tmp_path), hooks=hooks)
+    results = spawn_plans(make, plans, data, str(tmp_path), hooks=hooks, checkpoint=checkpoint)
     if raw is not None:
         raw.extend(results)
     references: dict[str, Trace] = {}
@@ -310,7 +311,7 @@ def test_zero_and_interleaving_with_tp_and_pp_pass_on_four_ranks(tmp_path) -> No
         _plan4(tp=1, pp=2, dp=2, zero=1, schedule="interleaved", virtual_stages=2),
         _plan4(tp=2, pp=2, dp=1, schedule="interleaved", virtual_stages=2),
     ]
-    for plan, v in zip(plans, _launch(default_init_gpt, plans, None, tmp_path), strict=True):
+    for plan, v in zip(plans, _launch(default_init_gpt, plans, None, tmp_path, checkpoint=True), strict=True):
         print(
             f"{plan.text().splitlines()[0]} ZeRO-{plan.strategy.zero} {plan.strategy.schedule}: "
             f"grad error {v.max_grad_error:.1e}, parameter error {v.max_param_error:.1e}"
@@ -361,7 +362,7 @@ def test_dropout_plans_pass_and_unreplayed_or_unsynced_masks_fail(tmp_path) -> N
     pp = _plan(model=dropout_gpt, tp=1, pp=2, dp=1, recompute=("full",))
     assert set(pp.recompute.values()) == {"full"}
     cases = [(tp, None), (tp, unsynced_tp_rng), (pp, None), (pp, recompute_with_fresh_masks)]
-    verdicts = verify_runs(dropout_gpt, cases, data, str(tmp_path))
+    verdicts = verify_runs(dropout_gpt, cases, data, str(tmp_path), checkpoint=False)
     for (plan, hook), v in zip(cases, verdicts, strict=True):
         name = hook.__name__ if hook else "correct"
         print(f"{plan.text().splitlines()[0]} dropout 0.1 [{name}]: {v.dropout}; {v.first_failure or 'PASS'}")

@@ -20,7 +20,7 @@ from autopar.cluster import Cluster
 from autopar.graph import capture
 from autopar.measure.verify import verify_cases
 from autopar.plan import Plan
-from autopar.planner import make_plan
+from autopar.planner import ModelProfiles, make_plan
 from autopar.request import Constraints, PlanRequest
 from autopar.strategy import SHARDING
 from autopar.zoo import hf
@@ -45,7 +45,7 @@ PLANS = {
 }
 
 
-def _plan(make, knobs: dict) -> Plan:
+def _plan(make, knobs: dict, profiles: ModelProfiles) -> Plan:
     with torch.device("meta"):
         meta = make()
     request = PlanRequest(
@@ -57,7 +57,12 @@ def _plan(make, knobs: dict) -> Plan:
         dtype="fp32",
         constraints=Constraints(micro_batch=2, recompute=("none",), **knobs),
     )
-    return make_plan(request).plan
+    return make_plan(request, profiles).plan
+
+
+def _profiles(make) -> ModelProfiles:
+    with torch.device("meta"):
+        return ModelProfiles.of(make(), dtype="fp32", seq=SEQ)
 
 
 def _makers():
@@ -79,8 +84,9 @@ def test_family_captured_exactly(name: str) -> None:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     makers = _makers()
+    profiles = {name: _profiles(make) for name, make in makers.items()}  # one capture per model
     cases = [
-        (name, kind, make, _plan(make, knobs))
+        (name, kind, make, _plan(make, knobs, profiles[name]))
         for name, make in makers.items()
         for kind, knobs in PLANS.items()
     ]
