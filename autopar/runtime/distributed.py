@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -37,7 +38,26 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     if "RANK" not in os.environ:
         raise AutoparError("no process group and no torchrun environment: launch with torchrun")
     backend = "nccl" if device_type() == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(
+        backend, store=attempt_store(store, os.environ), rank=rank, world_size=world, timeout=timeout
+    )
+
+
+def attempt_store(store: dist.Store, env: Mapping[str, str]) -> dist.Store:
+    """The store for this incarnation of the group. Under torchrun the workers share the elastic
+    agent's store, which lives as long as the agent: a group restarted after a failure would read
+    the addresses the dead group published under the same keys (gloo then waits for a peer that
+    never connects; torch issue #135712). The keys are scoped by the agent's restart count and the
+    world size, which every worker of one agent shares. Agents on several nodes count restarts
+    each on their own: elastic multi-node jobs launch torchrun with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store every rendezvous round, torch's
+    switch), and then nothing is shared to scope."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"autopar/restart-{attempt}/world-{env.get('WORLD_SIZE', '?')}", store)
 
 
 def agree_on_plan(plan: Plan) -> None:
