@@ -14,12 +14,14 @@ from autopar.plan import Plan
 from autopar.request import Constraints, PlanRequest
 from autopar.runtime import ParallelModel, init_distributed
 from autopar.runtime.checkpointer import Checkpointer
+from autopar.runtime.integrity import BrokenCheckpointError
 from autopar.zoo.spec import meta_parameters
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoparError",
+    "BrokenCheckpointError",
     "CaptureError",
     "CapturedModel",
     "Checkpointer",

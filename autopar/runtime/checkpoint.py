@@ -14,12 +14,15 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from autopar.errors import AutoparError
 from autopar.files import write_atomic
+from autopar.plan import Plan
+from autopar.runtime.integrity import BrokenCheckpointError, folder_digest, folder_problem
 
 MANIFEST = "autopar.json"
 """The checkpoint's description, next to DCP's ``.metadata``."""
@@ -29,30 +32,81 @@ def save_checkpoint(pm: Any, path: str | os.PathLike[str], trainer: dict[str, An
     """Save ``pm``'s model, optimizer (and loss-scaler) state to the folder ``path``. Every rank
     writes into ``<path>.tmp``; once all have finished, rank 0 writes the manifest (with
     ``trainer``, the loop's own JSON state: step, data position, random states) and swaps the
-    folder in, so ``path`` holds either the previous checkpoint or this one, never a mix.
-    Collective: call on every rank (a file system all ranks share)."""
+    folder in, so ``path`` holds either the previous checkpoint or this one, never a mix. A save
+    that fails (a full disk, a read-only folder) raises on every rank and leaves ``path`` and the
+    training state as they were. Collective: call on every rank (a file system all ranks share)."""
     import torch.distributed.checkpoint as dcp
 
+    tmp = begin_save(path)
+    try:
+        dcp.save(pm.state_dict(), checkpoint_id=str(tmp))
+    except (Exception, CheckpointException) as e:  # DCP raises on every rank when any rank's failed
+        failed_save(path, e)
+    commit_save(pm, path, trainer)
+
+
+def _agree(problem: str | None) -> None:
+    """Raise ``problem`` (found on any rank) on every rank, so none waits in a collective."""
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, problem)
+    first = next((p for p in found if p), None)
+    if first:
+        raise AutoparError(first)
+
+
+def begin_save(path: str | os.PathLike[str]) -> Path:
+    """Make ``<path>.tmp`` empty for a save into ``path``; the temporary folder. Collective."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    problem = None
     if dist.get_rank() == 0:
         if not path.parent.is_dir():
-            raise AutoparError(
-                f"can't save a checkpoint to {str(path)!r}: {str(path.parent)!r} does not exist"
-            )
-        shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted save left
-    dist.barrier()
-    state = pm.state_dict()
-    dcp.save(state, checkpoint_id=str(tmp))
-    dist.barrier()  # every rank's shard is on disk
+            problem = f"can't save a checkpoint to {str(path)!r}: {str(path.parent)!r} does not exist"
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted save left
+    _agree(problem)
+    return tmp
+
+
+def failed_save(path: str | os.PathLike[str], error: BaseException) -> NoReturn:
+    """After a failed write into ``<path>.tmp``: remove it, raise one line on every rank."""
+    path = Path(path)
     if dist.get_rank() == 0:
-        write_atomic(tmp / MANIFEST, json.dumps({**_manifest(pm), "trainer": trainer or {}}, indent=1))
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        shutil.rmtree(path.with_name(path.name + ".tmp"), ignore_errors=True)
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: rank → its exception
+    if isinstance(failures, dict) and failures:
+        rank, error = min(failures.items())
+        error = error[0] if isinstance(error, tuple) else error  # (exception, its traceback)
+        first = f"rank {rank}: " + (str(error).strip().splitlines() or [type(error).__name__])[0]
+    else:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    raise AutoparError(
+        f"saving the checkpoint {str(path)!r} failed ({first}); the previous checkpoint is intact and "
+        "so is the training state: free space or give a writable folder"
+    ) from None
+
+
+def commit_save(pm: Any, path: str | os.PathLike[str], trainer: dict[str, Any] | None) -> None:
+    """Every rank's shard of ``<path>.tmp`` is written: record the files, write the manifest and
+    swap the folder in as ``path``. Collective."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    dist.barrier()  # every rank's shard is on disk
+    files = folder_digest(tmp, skip=(MANIFEST,))
+    problem = None
+    if dist.get_rank() == 0:
+        manifest = {**_manifest(pm), "trainer": trainer or {}, "files": files}
+        try:
+            write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+            old = path.with_name(path.name + ".old")
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        except (AutoparError, OSError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            problem = f"saving the checkpoint {str(path)!r} failed at its manifest: {e}"
+    _agree(problem)
 
 
 def _manifest(pm: Any) -> dict[str, Any]:
@@ -62,6 +116,7 @@ def _manifest(pm: Any) -> dict[str, Any]:
         "plan_hash": plan.hash,
         "mesh": dict(plan.mesh),
         "optimizer": type(pm.optimizer.optimizers[0]).__name__ if pm.optimizer.optimizers else None,
+        "plan": json.loads(plan.to_json()),
     }
 
 
@@ -77,6 +132,7 @@ def load_checkpoint(pm: Any, path: str | os.PathLike[str]) -> None:
             f"{str(path)!r} is not a checkpoint folder (it has no .metadata): give a folder that "
             "ParallelModel.save (or torch.distributed.checkpoint.save) wrote"
         )
+    check_files(path)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     state = pm.state_dict()
     # what every rank will load (a pipeline rank holds its stages only): all ranks decide alike
@@ -131,6 +187,25 @@ def check_checkpoint(
         )
 
 
+def check_files(path: Path) -> None:
+    """Raise ``BrokenCheckpointError`` on every rank when a file of the checkpoint ``path`` is not
+    the one its manifest recorded (a folder saved with plain DCP has no record: nothing to check).
+    Collective."""
+    try:
+        files = _read_manifest(path).get("files")
+    except AutoparError as e:
+        raise BrokenCheckpointError(f"the checkpoint {str(path)!r} is damaged: its {e}") from None
+    problem = folder_problem(path, files) if isinstance(files, dict) else None
+    if problem:
+        raise BrokenCheckpointError(f"the checkpoint {str(path)!r} is damaged: {problem}")
+
+
+def saved_plan(path: str | os.PathLike[str]) -> Plan | None:
+    """The plan the checkpoint folder ``path`` was saved under (None: saved without one)."""
+    text = _read_manifest(Path(path)).get("plan")
+    return Plan.from_json(json.dumps(text)) if isinstance(text, dict) else None
+
+
 def trainer_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The loop state saved with the checkpoint folder ``path`` (``save_checkpoint``'s
     ``trainer``; {} for a checkpoint saved without one)."""
@@ -145,7 +220,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        raise AutoparError(f"can't read {str(path / MANIFEST)!r}: {e}") from None
+        raise AutoparError(f"manifest {MANIFEST} can't be read ({e})") from None
     return manifest if isinstance(manifest, dict) else {}
 
 
@@ -153,4 +228,15 @@ def _count(saved: dict[str, Any]) -> int:
     return sum(math.prod(m.size) for k, m in saved.items() if k.startswith("model.") and hasattr(m, "size"))
 
 
-__all__ = ["MANIFEST", "check_checkpoint", "load_checkpoint", "save_checkpoint", "trainer_state"]
+__all__ = [
+    "MANIFEST",
+    "BrokenCheckpointError",
+    "begin_save",
+    "check_checkpoint",
+    "commit_save",
+    "failed_save",
+    "load_checkpoint",
+    "save_checkpoint",
+    "saved_plan",
+    "trainer_state",
+]

@@ -8,9 +8,12 @@
 
 Each checkpoint is a folder ``step-<n>`` that ``ParallelModel.save`` writes (DCP shards and a
 JSON manifest, swapped in whole: a folder with that name is complete). The manifest keeps the
-loop's state: the step, every rank's torch random state (restored when the world size is the
-same; a world of another size keeps the seed it was given), and what the caller adds. After a
-save completes, all but the newest ``keep`` are deleted. SIGTERM (a preemption notice) is
+plan, every file's size and CRC-32 (a damaged checkpoint is skipped on resume, for the one
+before it) and the loop's state: the step, the data position (``samples``: global samples
+consumed, step × global batch, whatever the world size), every rank's torch random state
+(restored when the world size is the same; a world of another size keeps the seed it was
+given), and what the caller adds. After a save completes, all but the newest ``keep`` are
+deleted; with ``async_save`` the write runs while training goes on. SIGTERM (a preemption notice) is
 caught: at the end of the current step every rank saves once more and the job exits 0, so a
 restart (``torchrun --max-restarts``) resumes from it.
 """
@@ -22,28 +25,48 @@ import os
 import re
 import shutil
 import signal
+import sys
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from autopar.errors import AutoparError
-from autopar.runtime.checkpoint import MANIFEST, save_checkpoint, trainer_state
+from autopar.runtime.checkpoint import (
+    MANIFEST,
+    BrokenCheckpointError,
+    begin_save,
+    commit_save,
+    failed_save,
+    save_checkpoint,
+    trainer_state,
+)
 
 _NAME = re.compile(r"^step-(\d+)$")
 
 
 class Checkpointer:
     """Save ``ParallelModel`` state every ``every`` steps into ``directory``, keep the newest
-    ``keep``, resume from the newest complete one (see the module docstring)."""
+    ``keep``, resume from the newest complete one (see the module docstring). ``async_save``:
+    DCP copies the state to CPU memory and writes it from a thread while training goes on (the
+    checkpoint becomes visible, and older ones are pruned, once every rank's write is done).
+    Construct it on every rank (with ``async_save`` it makes a gloo group for the writes)."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, every: int, keep: int = 2) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], *, every: int, keep: int = 2, async_save: bool = False
+    ) -> None:
         if every < 1 or keep < 1:
             raise AutoparError(f"checkpoint every {every} steps keeping {keep}: both must be at least 1")
         self.directory, self.every, self.keep = Path(directory), every, keep
         self.preempted = False
+        self.blocked_s = 0.0
+        """Seconds the last save held the training loop (with ``async_save``: the copy to CPU)."""
+        self._group = dist.new_group(backend="gloo") if async_save else None
+        self._pending: _Pending | None = None
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
@@ -57,51 +80,118 @@ class Checkpointer:
         return sorted((step, p) for step, p in found if (p / MANIFEST).is_file())
 
     def resume(self, pm: Any) -> int:
-        """Load the newest complete checkpoint into ``pm``; the step to run next (0: none yet)."""
-        found = self.checkpoints()
-        if not found:
-            return 0
-        step, path = found[-1]
-        pm.load(str(path))
-        rng = trainer_state(path).get("rng", [])
-        if len(rng) == dist.get_world_size():
-            torch.set_rng_state(
-                torch.frombuffer(bytearray(base64.b64decode(rng[dist.get_rank()])), dtype=torch.uint8)
-            )
-        return step + 1
+        """Load the newest complete checkpoint into ``pm``; the step to run next (0: none yet). A
+        damaged one (``BrokenCheckpointError``) is skipped, saying so, for the one before it.
+        Collective."""
+        if dist.get_rank() == 0 and self.directory.is_dir():  # what an interrupted save left
+            for leftover in self.directory.glob("step-*.tmp"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        dist.barrier()
+        for step, path in reversed(self.checkpoints()):
+            try:
+                pm.load(str(path))
+            except BrokenCheckpointError as e:  # every rank saw it: all move on together
+                if dist.get_rank() == 0:
+                    print(f"autopar: skipping {e}", file=sys.stderr, flush=True)
+                continue
+            rng = trainer_state(path).get("rng", [])
+            if len(rng) == dist.get_world_size():
+                torch.set_rng_state(
+                    torch.frombuffer(bytearray(base64.b64decode(rng[dist.get_rank()])), dtype=torch.uint8)
+                )
+            return step + 1
+        return 0
 
     def step_done(self, pm: Any, step: int, **extra: Any) -> bool:
         """After step ``step``: save when it is the ``every``-th, or when any rank was sent
         SIGTERM (then exit the process, status 0). ``extra``: more JSON state to keep. Returns
         whether it saved. Collective."""
-        flag = torch.tensor([int(self.preempted)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        preempted = bool(flag.item())
-        if preempted or (step + 1) % self.every == 0:
-            self.save(pm, step, **extra)
+        flags = torch.tensor([int(self.preempted), int(self._pending is None or self._pending.done())])
+        dist.all_reduce(flags[:1], op=dist.ReduceOp.MAX)
+        dist.all_reduce(flags[1:], op=dist.ReduceOp.MIN)
+        preempted, written = bool(flags[0]), bool(flags[1])
+        if self._pending is not None and written:
+            self._commit()
+        due = preempted or (step + 1) % self.every == 0
+        if due:
+            self.save(pm, step, sync=preempted, **extra)
         if preempted:
             dist.destroy_process_group()
             raise SystemExit(0)
-        return preempted or (step + 1) % self.every == 0
+        return due
 
-    def save(self, pm: Any, step: int, **extra: Any) -> Path:
-        """Save now as the checkpoint of step ``step``, then delete all but the newest ``keep``.
-        Collective."""
+    def save(self, pm: Any, step: int, *, sync: bool = False, **extra: Any) -> Path:
+        """Save now as the checkpoint of step ``step`` (``sync``: wait for the write even with
+        ``async_save``), then delete all but the newest ``keep``. Collective."""
+        self.wait()
+        start = time.perf_counter()
         if dist.get_rank() == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
         states: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(states, base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         path = self.directory / f"step-{step:09d}"
-        save_checkpoint(pm, path, {"step": step, "rng": states, **extra})
+        samples = (step + 1) * pm.plan.strategy.global_batch  # the data position, world-size free
+        trainer = {"step": step, "samples": samples, "rng": states, **extra}
+        if self._group is None:
+            save_checkpoint(pm, path, trainer)
+            self._prune()
+        else:
+            self._pending = _Pending.start(pm, path, trainer, self._group)
+            if sync:
+                self.wait()
+        self.blocked_s = time.perf_counter() - start
+        return path
+
+    def wait(self) -> None:
+        """Finish an asynchronous save in flight (its checkpoint then visible). Collective."""
+        if self._pending is not None:
+            self._commit()
+
+    def _commit(self) -> None:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        pending.commit()
+        self._prune()
+
+    def _prune(self) -> None:
         if dist.get_rank() == 0:
             for _, old in self.checkpoints()[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
-        return path
 
     def close(self) -> None:
-        """Give SIGTERM back to the handler it had before."""
+        """Finish a save in flight and give SIGTERM back to the handler it had before."""
+        self.wait()
         signal.signal(signal.SIGTERM, self._previous)
+
+
+class _Pending:
+    """An asynchronous save: DCP's future, and what committing it needs."""
+
+    def __init__(self, future: Any, pm: Any, path: Path, trainer: dict[str, Any]) -> None:
+        self.future, self.pm, self.path, self.trainer = future, pm, path, trainer
+
+    @classmethod
+    def start(cls, pm: Any, path: Path, trainer: dict[str, Any], group: Any) -> _Pending:
+        import torch.distributed.checkpoint as dcp
+
+        tmp = begin_save(path)
+        try:  # the copy to CPU memory happens here; the write in DCP's thread
+            future = dcp.async_save(pm.state_dict(), checkpoint_id=str(tmp), process_group=group)
+        except (Exception, CheckpointException) as e:
+            failed_save(path, e)
+        return cls(future, pm, path, trainer)
+
+    def done(self) -> bool:
+        return bool(self.future.done())
+
+    def commit(self) -> None:
+        """Wait for the write, then make the checkpoint visible (or raise why it failed)."""
+        try:
+            self.future.result()
+        except (Exception, CheckpointException) as e:  # failed on every rank when any rank's write did
+            failed_save(self.path, e)
+        commit_save(self.pm, self.path, self.trainer)
 
 
 __all__ = ["Checkpointer"]

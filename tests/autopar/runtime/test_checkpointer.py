@@ -78,3 +78,65 @@ def test_sigterm_saves_then_resume_continues_after_it(tmp_path) -> None:
         state = torch.frombuffer(bytearray(base64.b64decode(saved["rng"][rank])), dtype=torch.uint8)
         assert resumed["rng"] == state[:64].tolist()
     assert sorted(os.listdir(directory)) == ["step-000000005", "step-000000007"]
+
+
+def async_worker(rank: int, init: str, plan_json: str, directory: str, kill_at: int | None, out: str) -> None:
+    """Train 8 steps with an asynchronous Checkpointer (every 2); rank 1 SIGKILLs itself right
+    after step ``kill_at``'s save started (its write in flight, not yet committed). Rank 0 writes
+    where it started and the final weights."""
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.plan import Plan
+
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    torch.set_num_threads(1)
+    pm = autopar.parallelize(_gpt(), Plan.from_json(plan_json))
+    ckpt = autopar.Checkpointer(directory, every=2, keep=2, async_save=True)
+    start = ckpt.resume(pm)
+    for step in range(start, 8):
+        batch = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+        pm.train_step(batch[rank * 2 : rank * 2 + 2])  # trains on while the last save is written
+        ckpt.step_done(pm, step)
+        if step == kill_at and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.close()  # the last save committed
+    final = pm.full_state_dict()
+    if rank == 0:
+        torch.save({"start": start, "final": final}, out)
+    dist.destroy_process_group()
+
+
+def test_a_kill_during_an_async_save_resumes_from_the_previous_checkpoint_bit_identical(tmp_path) -> None:
+    """The step-5 save is in flight when a rank dies: it never becomes visible, the restart resumes
+    from step 3's (written while steps 4 and 5 trained: the copy was taken at the save) and ends
+    with exactly the weights of an uninterrupted run."""
+    plan = _plan()
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    mp.spawn(
+        async_worker, args=(f"file://{tmp_path}/i1", plan, whole, None, str(tmp_path / "w.pt")), nprocs=2
+    )
+    assert sorted(os.listdir(whole)) == ["step-000000005", "step-000000007"]
+    try:
+        mp.spawn(
+            async_worker, args=(f"file://{tmp_path}/i2", plan, killed, 5, str(tmp_path / "k.pt")), nprocs=2
+        )
+        raise AssertionError("rank 1 was killed: the launch must fail")
+    except mp.ProcessExitedException:
+        pass
+    assert [n for n in sorted(os.listdir(killed)) if not n.endswith(".tmp")] == [
+        "step-000000001",
+        "step-000000003",
+    ]
+    mp.spawn(
+        async_worker, args=(f"file://{tmp_path}/i3", plan, killed, None, str(tmp_path / "r.pt")), nprocs=2
+    )
+    a = torch.load(tmp_path / "w.pt", weights_only=True)
+    b = torch.load(tmp_path / "r.pt", weights_only=True)
+    assert a["start"] == 0 and b["start"] == 4
+    assert a["final"].keys() == b["final"].keys() and all(
+        torch.equal(a["final"][k], b["final"][k]) for k in a["final"]
+    )
+    assert sorted(os.listdir(killed)) == ["step-000000005", "step-000000007"]  # the leftover .tmp removed
