@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
-from autopar.cli import estimate, plan, profile, verify
+from autopar.cli import checkpoint, estimate, plan, profile, verify
 from autopar.cli.common import add_json_flag, count, print_json
 from autopar.errors import AutoparError
 from autopar.units import format_bytes, format_si
@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     verify.add_parser(sub)
     profile.add_parsers(sub)  # profile, profile-comm, calibrate
+    checkpoint.add_parsers(sub)  # replan, export
     add_json_flag(sub.add_parser("models", help="list the built-in models"))
     add_json_flag(sub.add_parser("clusters", help="list the built-in cluster presets"))
     return parser
@@ -110,6 +111,8 @@ COMMANDS: dict[str, Any] = {
     "profile": profile.cmd_profile,
     "profile-comm": profile.cmd_profile_comm,
     "calibrate": profile.cmd_calibrate,
+    "replan": checkpoint.cmd_replan,
+    "export": checkpoint.cmd_export,
     "models": cmd_models,
     "clusters": cmd_clusters,
 }

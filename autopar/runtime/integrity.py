@@ -35,9 +35,24 @@ def crc32_of(path: Path) -> int:
     return crc
 
 
+def _rank_world() -> tuple[int, int]:
+    """This rank and the world (0 and 1 outside a process group: ``autopar export``)."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _gather(mine: Any) -> list[Any]:
+    """Every rank's ``mine`` (just this one outside a process group)."""
+    if not dist.is_initialized():
+        return [mine]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return parts
+
+
 def _mine(names: list[str]) -> list[str]:
     """The files this rank reads: every world-th, from its rank."""
-    return names[dist.get_rank() :: dist.get_world_size()]
+    rank, world = _rank_world()
+    return names[rank::world]
 
 
 def folder_digest(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, list[int]]:
@@ -45,17 +60,15 @@ def folder_digest(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, list[in
     share. Collective (a folder every rank sees)."""
     names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name not in skip)
     mine = {name: [(folder / name).stat().st_size, crc32_of(folder / name)] for name in _mine(names)}
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
-    return {name: entry for part in parts for name, entry in sorted(part.items())}
+    return {name: entry for part in _gather(mine) for name, entry in sorted(part.items())}
 
 
 def folder_problem(folder: Path, files: dict[str, list[int]]) -> str | None:
     """The first way ``folder`` differs from ``files`` (``folder_digest``'s record), or None,
-    the same on every rank. Collective."""
+    the same on every rank. Collective (or one process, outside a process group)."""
     problem: str | None = None
     names = sorted(files)
-    for name in names if dist.get_rank() == 0 else ():  # sizes: cheap, one rank
+    for name in names if _rank_world()[0] == 0 else ():  # sizes: cheap, one rank
         path, (size, _) = folder / name, files[name]
         if not path.is_file():
             problem = problem or f"{name} is missing"
@@ -66,9 +79,7 @@ def folder_problem(folder: Path, files: dict[str, list[int]]) -> str | None:
         path, (size, crc) = folder / name, files[name]
         if path.is_file() and path.stat().st_size == size and crc32_of(path) != crc:
             problem = problem or f"{name}'s bytes do not match the CRC-32 written with it (corrupted)"
-    found: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, problem)
-    return next((p for p in found if p), None)
+    return next((p for p in _gather(problem) if p), None)
 
 
 __all__ = ["BrokenCheckpointError", "crc32_of", "folder_digest", "folder_problem"]
