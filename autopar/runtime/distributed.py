@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -58,6 +60,27 @@ def attempt_store(store: dist.Store, env: Mapping[str, str]) -> dist.Store:
         return store
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"autopar/restart-{attempt}/world-{env.get('WORLD_SIZE', '?')}", store)
+
+
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Timed out", "timed out", "Broken pipe")
+"""What gloo and NCCL say when a peer died, left or stopped answering (its collective's timeout)."""
+
+
+@contextlib.contextmanager
+def peer_failures(what: str) -> Iterator[None]:
+    """Turn a collective's failure because another rank died or hung into one line that says so
+    and what happens next (the original error stays chained, for its detail)."""
+    try:
+        yield
+    except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
+        first = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [""])[0])  # gloo's source
+        if not any(sign in first for sign in PEER_LOST):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise AutoparError(
+            f"rank {rank}: another process died or stopped answering during {what} ({first[:200]}); "
+            "under torchrun --max-restarts the group restarts and resumes from its last checkpoint"
+        ) from e
 
 
 def agree_on_plan(plan: Plan) -> None:

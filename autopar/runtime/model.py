@@ -14,7 +14,7 @@ from torch import nn
 from autopar.errors import AutoparError
 from autopar.graph.objective import LOGITS, Objective
 from autopar.plan import Plan
-from autopar.runtime.distributed import agree_on_batch, device_type, reduce_partial_grads
+from autopar.runtime.distributed import agree_on_batch, device_type, peer_failures, reduce_partial_grads
 from autopar.runtime.loss import LossFn
 from autopar.runtime.schedules import LocalSchedule, PipelineSchedule
 from autopar.runtime.sharding import StageOptimizers
@@ -115,10 +115,13 @@ class ParallelModel:
 
     def train_step(self, batch: torch.Tensor) -> float:
         """Forward, backward over the plan's micro-batches, optimizer step; returns the mean loss
-        over all data-parallel ranks. ``batch`` is this replica's share: global batch / dp rows."""
-        losses = self.backward(batch)
-        self.step()
-        return self.mean_loss(losses)
+        over all data-parallel ranks. ``batch`` is this replica's share: global batch / dp rows.
+        A peer that died or hung (past the process group's timeout) is an ``AutoparError``
+        saying so, on every surviving rank."""
+        with peer_failures("a training step"):
+            losses = self.backward(batch)
+            self.step()
+            return self.mean_loss(losses)
 
     def backward(self, batch: torch.Tensor) -> list[torch.Tensor]:
         """The first half of ``train_step``: forward and backward of every micro-batch, and the

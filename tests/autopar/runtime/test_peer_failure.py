@@ -1,0 +1,64 @@
+"""A peer that dies, or stops answering, makes the other ranks fail within the process group's
+timeout with one line saying so (no hang), so torchrun can restart the group."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from autopar.zoo import GPT, GPTConfig
+
+TIMEOUT_S = 5.0
+
+
+def _gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+
+
+def worker(rank: int, init: str, how: str, out: str) -> None:
+    """Rank 1 dies (``how="dies"``) or stops (SIGSTOP) after step 1; rank 0 writes what its next
+    step raised and how long it took to raise it."""
+    import torch.distributed as dist
+
+    import autopar
+
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT_S)
+    )
+    torch.set_num_threads(1)
+    cluster = autopar.Cluster.preset("cpu", gpus_per_node=2)
+    cons = autopar.Constraints(tp=1, pp=1, dp=2, micro_batch=2, recompute=("none",))
+    pm = autopar.parallelize(_gpt(), cluster, global_batch=4, seq=16, constraints=cons)
+    batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    for step in range(3):
+        if step == 2 and rank == 1:
+            os._exit(1) if how == "dies" else os.kill(os.getpid(), signal.SIGSTOP)
+        start = time.perf_counter()
+        try:
+            pm.train_step(batch)
+        except autopar.AutoparError as e:
+            with open(out, "w") as f:
+                f.write(f"{time.perf_counter() - start:.1f}\n{e}")
+            os._exit(3)
+
+
+def test_a_dead_or_stopped_peer_is_an_error_within_the_timeout(tmp_path) -> None:
+    for how in ("dies", "stops"):
+        out = tmp_path / f"{how}.txt"
+        ctx = mp.spawn(worker, args=(f"file://{tmp_path}/init-{how}", how, str(out)), nprocs=2, join=False)
+        survivor, peer = ctx.processes
+        survivor.join(timeout=120)
+        assert survivor.exitcode == 3, (how, survivor.exitcode)
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.join(timeout=30)
+        waited, message = out.read_text().split("\n", 1)
+        print(how, waited, message)
+        assert float(waited) <= TIMEOUT_S + 10, (how, waited)
+        assert message.startswith("rank 0: another process died or stopped answering during a training step")
+        assert len(message.splitlines()) == 1
