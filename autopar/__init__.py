@@ -14,6 +14,7 @@ from autopar.plan import Plan
 from autopar.request import Constraints, PlanRequest
 from autopar.runtime import ParallelModel, init_distributed
 from autopar.runtime.checkpointer import Checkpointer
+from autopar.runtime.data import GlobalBatches
 from autopar.runtime.integrity import BrokenCheckpointError
 from autopar.zoo.spec import meta_parameters
 
@@ -29,6 +30,7 @@ __all__ = [
     "ClusterSpecError",
     "Constraints",
     "DeviceSpec",
+    "GlobalBatches",
     "InfeasibleError",
     "LinkSpec",
     "ModelSpecError",

@@ -1,15 +1,18 @@
 """Train a small GPT with autopar on whatever torchrun launched (CPU + gloo here, GPUs + NCCL there).
 
     torchrun --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--global-batch 16] [--seq 64]
-        [--tp T] [--pp P] [--checkpoint DIR --checkpoint-every N [--keep K]] [--save-final FILE]
+        [--tp T] [--pp P] [--checkpoint DIR --checkpoint-every N [--keep K] [--async-save]]
+        [--save-final FILE]
 
 autopar plans for the launched world (rank 0 plans, every rank gets the same plan; --tp/--pp
 fix those degrees, the planner chooses the rest), applies the plan, and this script trains on
-synthetic tokens, logging loss, tokens/s and peak memory per step on rank 0. With
---checkpoint it saves every N steps (``autopar.Checkpointer``) and, started again, resumes from
-the newest complete checkpoint; step k's batch is a function of k alone, so a resumed run sees
-the same data as one that never stopped (restarts by ``torchrun --max-restarts``: see the
-README's fault-tolerance paragraph for what is and isn't reliable yet).
+a synthetic dataset (a fixed table of token sequences), logging loss, tokens/s and peak memory
+per step on rank 0. With --checkpoint it saves every N steps (``autopar.Checkpointer``;
+--async-save writes while training goes on) and, started again, resumes from the newest complete
+checkpoint — under the plan for the world it was restarted on, which may differ. Step k's
+global batch is a function of k alone (``autopar.GlobalBatches``), so a resumed run, on any
+number of processes, sees the same data as one that never stopped. Restarts: ``torchrun
+--max-restarts`` (README, "Fault tolerance and elastic training").
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, help="folder for checkpoints (resumes from it)")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--keep", type=int, default=2, help="checkpoints kept")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
     parser.add_argument("--save-final", default=None, help="write the trained weights here (rank 0)")
     args = parser.parse_args()
 
@@ -56,21 +60,20 @@ def main() -> None:
     if rank == 0:
         print(pm.plan.text(), flush=True)
         print(f"tensor-parallel groups inside one node: {inside}", flush=True)
-    local, replica = args.global_batch // pm.plan.strategy.dp, pm.dp_rank
     ckpt = (
-        autopar.Checkpointer(args.checkpoint, every=args.checkpoint_every, keep=args.keep)
+        autopar.Checkpointer(
+            args.checkpoint, every=args.checkpoint_every, keep=args.keep, async_save=args.async_save
+        )
         if args.checkpoint
         else None
     )
+    dataset = torch.randint(0, 512, (1024, args.seq), generator=torch.Generator().manual_seed(0))
+    batches = autopar.GlobalBatches(len(dataset), args.global_batch, seed=0)
     start = ckpt.resume(pm) if ckpt else 0
     print(f"rank {rank} pid {os.getpid()} starts at step {start}", flush=True)
     for step in range(start, args.steps):
-        # the global batch of step k depends on k only (not on the world size or a restart)
-        batch = torch.randint(
-            0, 512, (args.global_batch, args.seq), generator=torch.Generator().manual_seed(step)
-        )
-        t0 = time.perf_counter()
-        loss = pm.train_step(batch[replica * local : (replica + 1) * local])
+        t0 = time.perf_counter()  # step k's batch depends on k only (not the world size or a restart)
+        loss = pm.train_step(dataset[batches.local(step, pm)])
         dt = time.perf_counter() - t0
         if rank == 0:
             peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -80,7 +83,9 @@ def main() -> None:
                 flush=True,
             )
         if ckpt is not None and ckpt.step_done(pm, step) and rank == 0:
-            print(f"saved checkpoint step {step}", flush=True)
+            print(f"saved checkpoint step {step}" + (" (writing)" if args.async_save else ""), flush=True)
+    if ckpt is not None:
+        ckpt.close()  # a save in flight committed
     final = pm.full_state_dict()  # collective
     if args.save_final and rank == 0:
         torch.save({k: v.detach().clone() for k, v in final.items()}, args.save_final)
