@@ -10,6 +10,7 @@ from autopar.api import parallelize, plan
 from autopar.cluster import Cluster, DeviceSpec, LinkSpec
 from autopar.errors import AutoparError, CaptureError, ClusterSpecError, InfeasibleError, ModelSpecError
 from autopar.graph import CapturedModel, capture
+from autopar.monitor import Metrics
 from autopar.plan import Plan
 from autopar.request import Constraints, PlanRequest
 from autopar.runtime import ParallelModel, init_distributed
@@ -33,6 +34,7 @@ __all__ = [
     "GlobalBatches",
     "InfeasibleError",
     "LinkSpec",
+    "Metrics",
     "ModelSpecError",
     "ParallelModel",
     "Plan",

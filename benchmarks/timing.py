@@ -51,6 +51,24 @@ def run_two(worker: Callable[..., None], *args: Any) -> dict[str, float]:
     return times
 
 
+def dp2_plan(model: torch.nn.Module, *, batch: int, seq: int, zero: int) -> str:
+    """The planner's plan (JSON) for ``model`` (on the meta device) as DP2 with ZeRO ``zero``,
+    micro-batch batch / 2, no recompute, fp32, on 2 cpu ranks."""
+    from autopar import Cluster, Constraints, PlanRequest
+    from autopar.planner import ModelProfiles, make_plan
+
+    request = PlanRequest(
+        model=model,
+        name="bench-gpt",
+        cluster=Cluster.preset("cpu", gpus_per_node=2),
+        global_batch=batch,
+        seq=seq,
+        dtype="fp32",
+        constraints=Constraints(tp=1, pp=1, dp=2, zero=zero, micro_batch=batch // 2, recompute=("none",)),
+    )
+    return make_plan(request, ModelProfiles.of(model, dtype="fp32", seq=seq)).plan.to_json()
+
+
 def report(rank: int, times: dict[str, float], out: str) -> None:
     """Rank 0 saves the medians for ``run_two``; every rank leaves the process group."""
     if rank == 0:

@@ -2,25 +2,24 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--global-batch 16] [--seq 64]
         [--tp T] [--pp P] [--checkpoint DIR --checkpoint-every N [--keep K] [--async-save]]
-        [--save-final FILE]
+        [--metrics-jsonl FILE] [--tensorboard DIR] [--prometheus-port PORT] [--save-final FILE]
 
 autopar plans for the launched world (rank 0 plans, every rank gets the same plan; --tp/--pp
 fix those degrees, the planner chooses the rest), applies the plan, and this script trains on
-a synthetic dataset (a fixed table of token sequences), logging loss, tokens/s and peak memory
-per step on rank 0. With --checkpoint it saves every N steps (``autopar.Checkpointer``;
---async-save writes while training goes on) and, started again, resumes from the newest complete
-checkpoint — under the plan for the world it was restarted on, which may differ. Step k's
-global batch is a function of k alone (``autopar.GlobalBatches``), so a resumed run, on any
-number of processes, sees the same data as one that never stopped. Restarts: ``torchrun
---max-restarts`` (README, "Fault tolerance and elastic training").
+a synthetic dataset (a fixed table of token sequences), logging loss, tokens/s, MFU,
+measured/predicted step time and peak memory per step on rank 0 (``autopar.Metrics``: also to
+JSONL, TensorBoard or Prometheus with the flags). With --checkpoint it saves every N steps
+(``autopar.Checkpointer``; --async-save writes while training goes on) and, started again,
+resumes from the newest complete checkpoint — under the plan for the world it was restarted on,
+which may differ. Step k's global batch is a function of k alone (``autopar.GlobalBatches``),
+so a resumed run, on any number of processes, sees the same data as one that never stopped.
+Restarts: ``torchrun --max-restarts`` (README, "Fault tolerance and elastic training").
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,11 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--keep", type=int, default=2, help="checkpoints kept")
     parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
+    parser.add_argument("--metrics-jsonl", default=None, help="per-step metrics as JSON lines (rank 0)")
+    parser.add_argument("--tensorboard", default=None, help="TensorBoard log folder for the metrics")
+    parser.add_argument(
+        "--prometheus-port", type=int, default=None, help="serve the metrics on 127.0.0.1:PORT"
+    )
     parser.add_argument("--save-final", default=None, help="write the trained weights here (rank 0)")
     args = parser.parse_args()
 
@@ -67,23 +71,26 @@ def main() -> None:
         if args.checkpoint
         else None
     )
+    metrics = autopar.Metrics(
+        pm, jsonl=args.metrics_jsonl, tensorboard=args.tensorboard, prometheus_port=args.prometheus_port
+    )
     dataset = torch.randint(0, 512, (1024, args.seq), generator=torch.Generator().manual_seed(0))
     batches = autopar.GlobalBatches(len(dataset), args.global_batch, seed=0)
     start = ckpt.resume(pm) if ckpt else 0
     print(f"rank {rank} pid {os.getpid()} starts at step {start}", flush=True)
     for step in range(start, args.steps):
-        t0 = time.perf_counter()  # step k's batch depends on k only (not the world size or a restart)
-        loss = pm.train_step(dataset[batches.local(step, pm)])
-        dt = time.perf_counter() - t0
+        loss = pm.train_step(dataset[batches.local(step, pm)])  # step k's batch depends on k only
+        m = metrics.step_done(step, loss)
         if rank == 0:
-            peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             print(
-                f"step {step:3d}  loss {loss:.4f}  {args.global_batch * args.seq / dt:,.0f} tokens/s  "
-                f"peak RSS {peak_mib:.0f} MiB",
+                f"step {step:3d}  loss {loss:.6f}  {m['tokens_per_s']:,.0f} tokens/s  MFU {m['mfu']:.1%}  "
+                f"{m['step_time_over_predicted']:.2f}× predicted  "
+                f"peak {m['peak_memory_bytes'] / 2**20:.0f} MiB",
                 flush=True,
             )
         if ckpt is not None and ckpt.step_done(pm, step) and rank == 0:
             print(f"saved checkpoint step {step}" + (" (writing)" if args.async_save else ""), flush=True)
+    metrics.close()
     if ckpt is not None:
         ckpt.close()  # a save in flight committed
     final = pm.full_state_dict()  # collective

@@ -26,7 +26,7 @@ LAYERS = [
     ("autopar.passes",),
     ("autopar.cost_models",),
     ("autopar.planner", "autopar.runtime"),
-    ("autopar.measure",),
+    ("autopar.measure", "autopar.monitor"),
     ("autopar.api", "autopar.cli", "autopar.__main__", "autopar"),
 ]
 """Lowest first: a module may import its own layer or lower ones, and nothing above."""

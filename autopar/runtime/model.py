@@ -4,6 +4,7 @@ schedule — with one surface for every plan: ``train_step``, ``eval_step`` and 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,8 @@ class ParallelModel:
     needs_weights: bool = False
     """Built from meta parameters: the stages' memory is allocated but holds no values until
     ``load_full_state_dict`` or a DCP ``load_state_dict``."""
+    last_step_s: float = 0.0
+    """Wall time of the last ``train_step`` on this rank, seconds (``autopar.Metrics`` reads it)."""
 
     @property
     def module(self) -> nn.Module:
@@ -118,10 +121,13 @@ class ParallelModel:
         over all data-parallel ranks. ``batch`` is this replica's share: global batch / dp rows.
         A peer that died or hung (past the process group's timeout) is an ``AutoparError``
         saying so, on every surviving rank."""
+        start = time.perf_counter()
         with peer_failures("a training step"):
             losses = self.backward(batch)
             self.step()
-            return self.mean_loss(losses)
+            loss = self.mean_loss(losses)  # its all-reduce and .item() end the step on every rank
+        self.last_step_s = time.perf_counter() - start
+        return loss
 
     def backward(self, batch: torch.Tensor) -> list[torch.Tensor]:
         """The first half of ``train_step``: forward and backward of every micro-batch, and the

@@ -1,8 +1,10 @@
-"""examples/train_gpt.py under torchrun: one node with 2 processes, and 2 "nodes" on localhost
-(data parallel across them; and a PP2×TP2 plan whose TP groups stay inside a node)."""
+"""examples/train_gpt.py under torchrun: one node with 2 processes (and a worker killed and
+restarted), 2 "nodes" on localhost (data parallel across them; a PP2×TP2 plan whose TP groups
+stay inside a node), and an elastic job that loses one of its two agents."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -19,17 +21,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def test_single_node_two_processes() -> None:
-    proc = subprocess.run(
-        [*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_free_port()), str(EXAMPLE), *ARGS],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "mesh pp1 × dp2 × tp1" in proc.stdout and "step   2  loss" in proc.stdout
 
 
 def _two_nodes(per_node: int, args: list[str]) -> str:
@@ -113,9 +104,10 @@ def test_a_killed_worker_resumes_from_its_checkpoint_bit_identical(tmp_path) -> 
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
 
-    whole = launch("whole", 0)
+    whole = launch("whole", 0)  # also the plain single-node run: 2 processes, the planner's plan
     out, _ = whole.communicate(timeout=300)
     assert whole.returncode == 0, out[-3000:]
+    assert "mesh pp1 × dp2 × tp1" in out and "step   2  loss" in out
     killed = launch("killed", 1)
     assert killed.stdout is not None
     lines, victim = [], None
@@ -135,3 +127,64 @@ def test_a_killed_worker_resumes_from_its_checkpoint_bit_identical(tmp_path) -> 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     kept = sorted(p.name for p in (tmp_path / "killed").iterdir())
     assert kept == ["step-000000005", "step-000000007"]  # keep 2, nothing half-written left
+
+
+def _agent(args: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    """One torchrun agent of an elastic job (1 to 2 nodes of 2 processes) on localhost, in a
+    session of its own (so it and its workers can be killed together), output to ``log``."""
+    command = [*TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "1"]
+    command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic"]
+    command += ["--rdzv-conf", "last_call_timeout=2", str(EXAMPLE), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it at once (a node lost: torchrun's workers run
+    in sessions of their own, so killing the agent's group would leave them training)."""
+    import signal
+
+    tree, frontier = [pid], [pid]
+    while frontier:
+        children = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", ",".join(map(str, frontier))], capture_output=True, text=True
+        ).stdout.split()
+        frontier = [int(c) for c in children]
+        tree += frontier
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def test_an_agent_leaves_and_the_other_continues_on_half_the_processes(tmp_path) -> None:
+    """torchrun --nnodes 1:2, two agents of 2 processes training TP2 (TP groups inside a node);
+    after step 3's checkpoint one agent dies with its workers; the other restarts alone,
+    re-plans for 2 processes, resumes at step 4 and finishes (that a resumed run on another
+    world trains like an uninterrupted one is checked in ``runtime/test_elastic.py``)."""
+    import time
+
+    args = ["--steps", "6", "--global-batch", "8", "--seq", "32", "--tp", "2", "--checkpoint-every", "2"]
+    args += ["--checkpoint", str(tmp_path / "ckpt")]
+    port = _free_port()
+    first = _agent(args, port, tmp_path / "a.log")
+    time.sleep(3)  # the first agent hosts the rendezvous: it must outlive the other
+    second = _agent(args, port, tmp_path / "b.log")
+    deadline = time.time() + 240
+    while (
+        "saved checkpoint step 3" not in (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
+    ):
+        assert time.time() < deadline and first.poll() is None and second.poll() is None
+        time.sleep(0.1)
+    _kill_tree(second.pid)  # the node leaves: its agent and both its workers
+    second.wait(timeout=30)
+    assert first.wait(timeout=240) == 0, (tmp_path / "a.log").read_text()[-3000:]
+    text = (tmp_path / "a.log").read_text()
+    before, after = text.split("starts at step 4", 1)  # resumed from step 3's checkpoint
+    assert "on 2× cpu: mesh pp1 × dp2 × tp2 (dp across nodes)" in before
+    assert "tensor-parallel groups inside one node: True" in before
+    assert "plan GPT on 1× cpu: mesh pp1 × dp1 × tp2" in before.rsplit("starts at step 0", 1)[1]
+    assert "step   5  loss" in after and "saved checkpoint step 5" in after
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000003", "step-000000005"]

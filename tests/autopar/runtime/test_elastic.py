@@ -1,6 +1,6 @@
 """Elastic training: 4 processes train a TP2×DP2 plan and checkpoint at step 3; 2 processes
 resume from that checkpoint under the plan the planner makes for 2 (``autopar replan`` prints the
-same one) and train to step 8. Compared with an uninterrupted 4-process run in float64 as
+same one) and train to step 6. Compared with an uninterrupted 4-process run in float64 as
 ``autopar verify`` compares (losses, and each parameter against its own last update); then the
 checkpoint is exported as a torch state dict and as a Hugging Face folder."""
 
@@ -21,7 +21,7 @@ from autopar.planner import ModelProfiles, make_plan
 from autopar.request import Constraints, PlanRequest
 from autopar.zoo import hf
 
-BATCH, SEQ, STEPS = 8, 16, 8
+BATCH, SEQ, STEPS = 8, 16, 6
 SPEC = f"{__file__}:tiny_gpt2"
 
 
@@ -111,7 +111,7 @@ def test_four_processes_then_two_resume_under_a_new_plan_like_an_uninterrupted_r
 
 
 def _exports(tmp_path: Path, final: dict[str, torch.Tensor]) -> None:
-    """The final checkpoint (step 7, saved by 2 processes) as a torch state dict and as a HF
+    """The final checkpoint (step 5, saved by 2 processes) as a torch state dict and as a HF
     folder: both hold exactly the weights the run ended with."""
     import transformers
 
