@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from autopar.errors import AutoparError
 from autopar.files import write_atomic
@@ -36,6 +35,7 @@ def save_checkpoint(pm: Any, path: str | os.PathLike[str], trainer: dict[str, An
     that fails (a full disk, a read-only folder) raises on every rank and leaves ``path`` and the
     training state as they were. Collective: call on every rank (a file system all ranks share)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     tmp = begin_save(path)
     try:

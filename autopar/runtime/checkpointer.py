@@ -21,6 +21,7 @@ restart (``torchrun --max-restarts``) resumes from it.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import shutil
@@ -33,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from autopar.errors import AutoparError
 from autopar.runtime.checkpoint import (
@@ -54,14 +54,22 @@ class Checkpointer:
     ``keep``, resume from the newest complete one (see the module docstring). ``async_save``:
     DCP copies the state to CPU memory and writes it from a thread while training goes on (the
     checkpoint becomes visible, and older ones are pruned, once every rank's write is done).
-    Construct it on every rank (with ``async_save`` it makes a gloo group for the writes)."""
+    ``scheduler``: an LR scheduler whose state (JSON: ``state_dict()``) is saved and restored with
+    the rest. Construct it on every rank (with ``async_save`` it makes a gloo group for the
+    writes)."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], *, every: int, keep: int = 2, async_save: bool = False
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        every: int,
+        keep: int = 2,
+        async_save: bool = False,
+        scheduler: Any = None,
     ) -> None:
         if every < 1 or keep < 1:
             raise AutoparError(f"checkpoint every {every} steps keeping {keep}: both must be at least 1")
-        self.directory, self.every, self.keep = Path(directory), every, keep
+        self.directory, self.every, self.keep, self.scheduler = Path(directory), every, keep, scheduler
         self.preempted = False
         self.blocked_s = 0.0
         """Seconds the last save held the training loop (with ``async_save``: the copy to CPU)."""
@@ -94,7 +102,10 @@ class Checkpointer:
                 if dist.get_rank() == 0:
                     print(f"autopar: skipping {e}", file=sys.stderr, flush=True)
                 continue
-            rng = trainer_state(path).get("rng", [])
+            trainer = trainer_state(path)
+            if self.scheduler is not None and "scheduler" in trainer:
+                self.scheduler.load_state_dict(trainer["scheduler"])
+            rng = trainer.get("rng", [])
             if len(rng) == dist.get_world_size():
                 torch.set_rng_state(
                     torch.frombuffer(bytearray(base64.b64decode(rng[dist.get_rank()])), dtype=torch.uint8)
@@ -132,6 +143,8 @@ class Checkpointer:
         path = self.directory / f"step-{step:09d}"
         samples = (step + 1) * pm.plan.strategy.global_batch  # the data position, world-size free
         trainer = {"step": step, "samples": samples, "rng": states, **extra}
+        if self.scheduler is not None:
+            trainer["scheduler"] = _json_state(self.scheduler)
         if self._group is None:
             save_checkpoint(pm, path, trainer)
             self._prune()
@@ -165,6 +178,20 @@ class Checkpointer:
         signal.signal(signal.SIGTERM, self._previous)
 
 
+def _json_state(scheduler: Any) -> dict[str, Any]:
+    """The scheduler's ``state_dict()``, refused in one line where JSON can't hold it (the
+    manifest is JSON: nothing in it is unpickled)."""
+    state = scheduler.state_dict()
+    try:
+        json.dumps(state)
+    except TypeError as e:
+        raise AutoparError(
+            f"the LR scheduler's state ({type(scheduler).__name__}) is not JSON ({e}); keep it with "
+            "step_done(..., **extra) in a form JSON holds, or rebuild it from the step on resume"
+        ) from None
+    return dict(state)
+
+
 class _Pending:
     """An asynchronous save: DCP's future, and what committing it needs."""
 
@@ -174,6 +201,7 @@ class _Pending:
     @classmethod
     def start(cls, pm: Any, path: Path, trainer: dict[str, Any], group: Any) -> _Pending:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         tmp = begin_save(path)
         try:  # the copy to CPU memory happens here; the write in DCP's thread
@@ -187,6 +215,8 @@ class _Pending:
 
     def commit(self) -> None:
         """Wait for the write, then make the checkpoint visible (or raise why it failed)."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
             self.future.result()
         except (Exception, CheckpointException) as e:  # failed on every rank when any rank's write did

@@ -216,10 +216,7 @@ def test_correct_plans_pass_and_broken_ones_fail_naming_the_parameter(tmp_path) 
         (pp, skip_tied_gradient_sum),
         (pp, weigh_micro_batches_unevenly),
         (pp, shift_stage_boundary),
-        (_plan(tp=1, pp=1, dp=2, zero=1), None),
-        (_plan(tp=1, pp=1, dp=2, zero=3, recompute=("full",)), None),
-        (_plan(tp=1, pp=2, dp=1, schedule="interleaved", virtual_stages=2), None),
-    ]
+    ]  # ZeRO and interleaving pass the verdict in the 4-rank test below and in the runtime tests
     verdicts = _launch(default_init_gpt, [p for p, _ in cases], [h for _, h in cases], tmp_path)
     for (plan, hook), v in zip(cases, verdicts, strict=True):
         name = hook.__name__ if hook else "correct"

@@ -81,7 +81,8 @@ def test_sigterm_saves_then_resume_continues_after_it(tmp_path) -> None:
 
 
 def async_worker(rank: int, init: str, plan_json: str, directory: str, kill_at: int | None, out: str) -> None:
-    """Train 8 steps with an asynchronous Checkpointer (every 2); rank 1 SIGKILLs itself right
+    """Train 8 steps (AdamW, its LR halved every 3 steps) with an asynchronous Checkpointer (every
+    2, keeping the LR scheduler's state too); rank 1 SIGKILLs itself right
     after step ``kill_at``'s save started (its write in flight, not yet committed). Rank 0 writes
     where it started and the final weights."""
     import torch.distributed as dist
@@ -94,11 +95,14 @@ def async_worker(rank: int, init: str, plan_json: str, directory: str, kill_at: 
     )
     torch.set_num_threads(1)
     pm = autopar.parallelize(_gpt(), Plan.from_json(plan_json))
-    ckpt = autopar.Checkpointer(directory, every=2, keep=2, async_save=True)
+    (optimizer,) = pm.optimizer.optimizers
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)  # saved with the rest
+    ckpt = autopar.Checkpointer(directory, every=2, keep=2, async_save=True, scheduler=schedule)
     start = ckpt.resume(pm)
     for step in range(start, 8):
         batch = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
         pm.train_step(batch[rank * 2 : rank * 2 + 2])  # trains on while the last save is written
+        schedule.step()
         ckpt.step_done(pm, step)
         if step == kill_at and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
