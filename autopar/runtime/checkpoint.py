@@ -74,12 +74,12 @@ def failed_save(path: str | os.PathLike[str], error: BaseException) -> NoReturn:
     if dist.get_rank() == 0:
         shutil.rmtree(path.with_name(path.name + ".tmp"), ignore_errors=True)
     failures = getattr(error, "failures", None)  # DCP's CheckpointException: rank → its exception
+    where = ""
     if isinstance(failures, dict) and failures:
         rank, error = min(failures.items())
         error = error[0] if isinstance(error, tuple) else error  # (exception, its traceback)
-        first = f"rank {rank}: " + (str(error).strip().splitlines() or [type(error).__name__])[0]
-    else:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        where = f"rank {rank}: "
+    first = where + (str(error).strip().splitlines() or [type(error).__name__])[0]
     raise AutoparError(
         f"saving the checkpoint {str(path)!r} failed ({first}); the previous checkpoint is intact and "
         "so is the training state: free space or give a writable folder"

@@ -117,10 +117,12 @@ class Checkpointer:
         """After step ``step``: save when it is the ``every``-th, or when any rank was sent
         SIGTERM (then exit the process, status 0). ``extra``: more JSON state to keep. Returns
         whether it saved. Collective."""
-        flags = torch.tensor([int(self.preempted), int(self._pending is None or self._pending.done())])
-        dist.all_reduce(flags[:1], op=dist.ReduceOp.MAX)
-        dist.all_reduce(flags[1:], op=dist.ReduceOp.MIN)
-        preempted, written = bool(flags[0]), bool(flags[1])
+        # one MAX all-reduce per step: any rank preempted; any rank's async write still running
+        flags = torch.tensor(
+            [int(self.preempted), int(self._pending is not None and not self._pending.done())]
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        preempted, written = bool(flags[0]), not bool(flags[1])
         if self._pending is not None and written:
             self._commit()
         due = preempted or (step + 1) % self.every == 0

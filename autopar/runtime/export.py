@@ -82,7 +82,7 @@ def export_checkpoint(
     folder = checkpoint_folder(path)
     weights = full_weights(folder)
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    _remove(tmp)
     try:
         if to == "torch":
             torch.save(weights, tmp)
@@ -92,9 +92,14 @@ def export_checkpoint(
             shutil.rmtree(out)
         os.replace(tmp, out)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise AutoparError(f"can't write {str(out)!r}: {e.strerror or e}") from None
     return folder
+
+
+def _remove(path: Path) -> None:
+    """A leftover temporary output, file or folder, gone."""
+    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def _plan_model(folder: Path) -> str:
