@@ -19,13 +19,13 @@ def check_writable(path: str | os.PathLike[str], what: str = "--out") -> None:
         raise AutoparError(f"{what} {path!r}: the folder {folder!r} does not exist")
 
 
-def write_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never half-written, and
-    no temporary file left behind when it fails."""
+def write_atomic(path: str | os.PathLike[str], text: str | bytes) -> None:
+    """Write ``text`` (or bytes) to ``path`` through a temporary file and a rename: never
+    half-written, and no temporary file left behind when it fails."""
     path = os.fspath(path)
     tmp = f"{path}.tmp"
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         os.replace(tmp, path)
     except OSError as e:

@@ -66,6 +66,10 @@ class Plan:
     tensor_parallel: tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...] = ()
     """Per layer type, every operator's strategy as (op key ``module:op#k``, strategy, output
     placement), e.g. ("Block", (("attn.c_attn:linear#0", "column", "S2"), …)). Empty when tp = 1."""
+    why: dict[str, Any] = field(default_factory=dict, compare=False)
+    """The evidence, as ``autopar plan`` shows it: ``alternatives`` (runners-up, best first) and
+    ``baselines`` (name → row, or None where it does not fit), each row a strategy with its
+    predicted step time and how much slower than this plan. Not a decision: not in ``hash``."""
 
     @property
     def recompute(self) -> dict[str, str]:
@@ -95,6 +99,7 @@ class Plan:
             "solve_time_s": self.solve_time_s,
             "optimality_gap": self.optimality_gap,
             "tensor_parallel": [[ltype, [list(op) for op in ops]] for ltype, ops in self.tensor_parallel],
+            "why": self.why,
         }
 
     @classmethod
@@ -107,7 +112,7 @@ class Plan:
             )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
-        missing = sorted(known - set(d) - {"solve_time_s", "optimality_gap", "tensor_parallel"})
+        missing = sorted(known - set(d) - {"solve_time_s", "optimality_gap", "tensor_parallel", "why"})
         if unknown or missing:
             what = (
                 f"unknown plan field {unknown[0]!r}" if unknown else f"plan field {missing[0]!r} is missing"
@@ -148,6 +153,7 @@ class Plan:
                 (str(ltype), tuple((str(k), str(n), str(o)) for k, n, o in ops))
                 for ltype, ops in d.get("tensor_parallel", [])
             ),
+            why=dict(d.get("why", {})),
         )
 
     def to_json(self) -> str:
@@ -168,7 +174,7 @@ class Plan:
     @property
     def hash(self) -> str:
         """Short digest of the decisions (not the timings): equal on every rank of a job."""
-        decisions = {k: v for k, v in self.to_dict().items() if k not in ("solve_time_s",)}
+        decisions = {k: v for k, v in self.to_dict().items() if k not in ("solve_time_s", "why")}
         return hashlib.sha256(json.dumps(decisions, sort_keys=True).encode()).hexdigest()[:16]
 
     def text(self) -> str:

@@ -33,6 +33,7 @@ from autopar.cost_models.terms import (
     rank_load,
     rank_memory_terms,
 )
+from autopar.cost_models.timeline import StageTime, stage_times
 from autopar.strategy import Strategy, check_strategy
 
 
@@ -92,6 +93,11 @@ class Estimate:
     memory_capacity_bytes: float
     stage_layers: tuple[tuple[str, ...], ...]
     notes: tuple[str, ...] = field(default=())
+    stage_times: tuple[StageTime, ...] = field(default=())
+    """Each pipeline rank's forward, backward, recompute, TP, DP and optimizer terms
+    (``timeline.stage_times``): what ``autopar report`` lays out as the step's timeline."""
+    p2p_hop_s: float = 0.0
+    """One activation (or gradient) send between neighbouring pipeline ranks."""
     compute_basis: str = ""
     """What compute was priced with: the device's peak × matmul efficiency (a preset's datasheet or
     stated assumption, or the user's YAML), or the cluster's measured compute profile."""
@@ -117,6 +123,8 @@ class Estimate:
             "stage_layers": [list(s) for s in self.stage_layers],
             "notes": list(self.notes),
             "compute_basis": self.compute_basis,
+            "stage_times": [t.to_dict() for t in self.stage_times],
+            "p2p_hop_s": self.p2p_hop_s,
         }
 
 
@@ -161,6 +169,8 @@ def estimate(
         stage_layers=tuple(tuple(names) for names in stage_layer_names(profile, st)),
         notes=tuple(notes),
         compute_basis=compute_basis(cluster, st.dtype),
+        stage_times=stage_times(terms, counts),
+        p2p_hop_s=terms.p2p_s / (2 * st.virtual_stages),  # p2p_s: 2v sends per micro-batch
     )
 
 

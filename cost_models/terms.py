@@ -409,13 +409,17 @@ class RankLoad:
         return self.compute_s + self.recompute_s + self.tp_s
 
 
+def rank_units(terms: Terms, rank: int, counts: tuple[int, int, int]) -> list[tuple[str, Unit, int]]:
+    """(recompute, unit, count) on pipeline rank ``rank``: ``counts`` (none, selective, full)
+    blocks, the embedding on the first rank and the head on the last."""
+    units = [(r, terms.block[r], n) for r, n in zip(RECOMPUTE, counts, strict=True)]
+    last = len(terms.inflight) - 1
+    return units + [("none", terms.embed, 1)] * (rank == 0) + [("none", terms.head, 1)] * (rank == last)
+
+
 def rank_load(terms: Terms, rank: int, counts: tuple[int, int, int]) -> RankLoad:
     """Sum the units of ``counts`` (none, selective, full) blocks plus embed/head where they live."""
-    units = [(terms.block[r], n) for r, n in zip(RECOMPUTE, counts, strict=True)]
-    if rank == 0:
-        units.append((terms.embed, 1))
-    if rank == len(terms.inflight) - 1:
-        units.append((terms.head, 1))
+    units = [(u, n) for _, u, n in rank_units(terms, rank, counts)]
     return RankLoad(
         fwd_s=sum(u.fwd_s * n for u, n in units),
         bwd_compute_s=sum(u.bwd_compute_s * n for u, n in units),
@@ -461,8 +465,7 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
         return ddp + (lat + spb * weights if st.zero == 1 else 0.0)
     if st.zero == 2:
         return m * max(0.0, load.layers * rlat + rspb * grad - overlap) + lat + spb * weights
-    gather = load.layers * lat + spb * weights  # forward, and again before the backward
-    reduce = load.layers * rlat + rspb * grad
+    gather, reduce = load.layers * lat + spb * weights, load.layers * rlat + rspb * grad  # gather: fwd, bwd
     first, last = zero3_unhidden_s(terms)
     return m * (
         max(first, gather - kappa * load.fwd_s) + max(first + last, gather + reduce - kappa * load.bwd_s)
@@ -481,9 +484,8 @@ def zero3_unhidden_s(terms: Terms) -> tuple[float, float]:
 
 def rank_memory_terms(terms: Terms, rank: int, load: RankLoad) -> dict[str, float]:
     """Peak memory of a rank by cause (bytes)."""
-    w, g, k = STATE_BYTES[terms.strategy.dtype]
     st = terms.strategy
-    shard = st.dp
+    (w, g, k), shard = STATE_BYTES[st.dtype], st.dp
     acts = terms.inflight[rank] * load.act_bytes
     if load.has_full:
         acts += terms.block["full"].act_full_bytes

@@ -2,13 +2,15 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--global-batch 16] [--seq 64]
         [--tp T] [--pp P] [--checkpoint DIR --checkpoint-every N [--keep K] [--async-save]]
-        [--metrics-jsonl FILE] [--tensorboard DIR] [--prometheus-port PORT] [--save-final FILE]
+        [--metrics-jsonl FILE] [--tensorboard DIR] [--prometheus-port PORT] [--collectives-every N]
+        [--max-grad-norm X] [--plan-out FILE] [--save-final FILE]
 
 autopar plans for the launched world (rank 0 plans, every rank gets the same plan; --tp/--pp
 fix those degrees, the planner chooses the rest), applies the plan, and this script trains on
 a synthetic dataset (a fixed table of token sequences), logging loss, tokens/s, MFU,
 measured/predicted step time and peak memory per step on rank 0 (``autopar.Metrics``: also to
-JSONL, TensorBoard or Prometheus with the flags). With --checkpoint it saves every N steps
+JSONL, TensorBoard or Prometheus with the flags; ``autopar report PLAN --metrics FILE --out
+report.html`` draws the run against the plan written by --plan-out). With --checkpoint it saves every N steps
 (``autopar.Checkpointer``; --async-save writes while training goes on) and, started again,
 resumes from the newest complete checkpoint — under the plan for the world it was restarted on,
 which may differ. Step k's global batch is a function of k alone (``autopar.GlobalBatches``),
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,7 +31,7 @@ import autopar
 from autopar.zoo import GPT, GPTConfig
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=16)
@@ -44,9 +47,17 @@ def main() -> None:
     parser.add_argument(
         "--prometheus-port", type=int, default=None, help="serve the metrics on 127.0.0.1:PORT"
     )
+    parser.add_argument("--max-grad-norm", type=float, default=None, help="clip the gradient norm to it")
+    parser.add_argument(
+        "--collectives-every", type=int, default=0, help="profile collectives on one step in N (N ≥ 2)"
+    )
     parser.add_argument("--save-final", default=None, help="write the trained weights here (rank 0)")
-    args = parser.parse_args()
+    parser.add_argument("--plan-out", default=None, help="write the plan as JSON (for autopar report)")
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_args()
     autopar.init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)  # the same initial weights on every rank
@@ -63,6 +74,8 @@ def main() -> None:
     inside = all(len(set(nodes[g : g + tp])) == 1 for g in range(0, world, tp))
     if rank == 0:
         print(pm.plan.text(), flush=True)
+        if args.plan_out:
+            Path(args.plan_out).write_text(pm.plan.to_json())
         print(f"tensor-parallel groups inside one node: {inside}", flush=True)
     ckpt = (
         autopar.Checkpointer(
@@ -72,14 +85,19 @@ def main() -> None:
         else None
     )
     metrics = autopar.Metrics(
-        pm, jsonl=args.metrics_jsonl, tensorboard=args.tensorboard, prometheus_port=args.prometheus_port
+        pm,
+        jsonl=args.metrics_jsonl,
+        tensorboard=args.tensorboard,
+        prometheus_port=args.prometheus_port,
+        collectives_every=args.collectives_every,
     )
     dataset = torch.randint(0, 512, (1024, args.seq), generator=torch.Generator().manual_seed(0))
     batches = autopar.GlobalBatches(len(dataset), args.global_batch, seed=0)
     start = ckpt.resume(pm) if ckpt else 0
     print(f"rank {rank} pid {os.getpid()} starts at step {start}", flush=True)
     for step in range(start, args.steps):
-        loss = pm.train_step(dataset[batches.local(step, pm)])  # step k's batch depends on k only
+        batch = dataset[batches.local(step, pm)]  # step k's batch depends on k only
+        loss = pm.train_step(batch, max_grad_norm=args.max_grad_norm)
         m = metrics.step_done(step, loss)
         if rank == 0:
             print(

@@ -1,7 +1,8 @@
 """The ``autopar`` command line: ``plan``, ``estimate``, ``inspect``, ``verify``, ``profile``,
-``profile-comm``, ``calibrate``, ``models``, ``clusters``. One module per command family
-(``plan``, ``verify``, ``estimate``: inspect and estimate, ``profile``: profile, profile-comm
-and calibrate); this one builds the parser and dispatches.
+``profile-comm``, ``calibrate``, ``replan``, ``export``, ``report``, ``models``, ``clusters``.
+One module per command family (``plan``, ``verify``, ``report``, ``estimate``: inspect and
+estimate, ``profile``: profile, profile-comm and calibrate, ``checkpoint``: replan and export);
+this one builds the parser and dispatches.
 
 Exit codes: 0 success, 2 user error (one line on stderr, no traceback), 1 bug.
 """
@@ -16,7 +17,7 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
-from autopar.cli import checkpoint, estimate, plan, profile, verify
+from autopar.cli import checkpoint, estimate, plan, profile, report, verify
 from autopar.cli.common import add_json_flag, count, print_json
 from autopar.errors import AutoparError
 from autopar.units import format_bytes, format_si
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_parser(sub)
     profile.add_parsers(sub)  # profile, profile-comm, calibrate
     checkpoint.add_parsers(sub)  # replan, export
+    report.add_parser(sub)
     add_json_flag(sub.add_parser("models", help="list the built-in models"))
     add_json_flag(sub.add_parser("clusters", help="list the built-in cluster presets"))
     return parser
@@ -113,6 +115,7 @@ COMMANDS: dict[str, Any] = {
     "calibrate": profile.cmd_calibrate,
     "replan": checkpoint.cmd_replan,
     "export": checkpoint.cmd_export,
+    "report": report.cmd_report,
     "models": cmd_models,
     "clusters": cmd_clusters,
 }

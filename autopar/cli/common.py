@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.console import Console
@@ -112,10 +114,18 @@ def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Constraints
 
 
 def read_plan(path: str) -> Plan:
-    """A plan file written by `autopar plan --out`; anything else is a one-line user error."""
+    """A plan file written by `autopar plan --out` (or the whole `autopar plan --json` output,
+    which holds it under "plan"); anything else is a one-line user error."""
     try:
         with open(path) as f:
-            return Plan.from_json(f.read())
+            text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            return Plan.from_json(text)  # says where the JSON breaks, in one line
+        if isinstance(data, dict) and isinstance(data.get("plan"), dict) and "strategy" not in data:
+            data = data["plan"]
+        return Plan.from_dict(data)
     except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError, AutoparError) as e:
         raise AutoparError(f"can't read plan {path!r}: {e}") from None
 
@@ -128,6 +138,41 @@ def progress(args: argparse.Namespace, message: str) -> None:
     """A progress line on stderr, for people at a terminal (never in --json or piped runs)."""
     if not args.json and sys.stderr.isatty():
         Console(stderr=True).print(f"[dim]{message}[/dim]")
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool) -> Iterator[Callable[[int, int, str], None] | None]:
+    """A transient progress bar on stderr (when ``enabled`` and at a terminal: never in --json or
+    piped runs), as a (done, total, what) callback; None otherwise."""
+    if not enabled or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("starting", total=1)
+
+        def update(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        yield update
+
+
+@contextlib.contextmanager
+def spinner(args: argparse.Namespace, message: str) -> Iterator[None]:
+    """A spinner with ``message`` on stderr while the work runs (at a terminal, not --json)."""
+    if args.json or not sys.stderr.isatty():
+        yield
+        return
+    with Console(stderr=True).status(f"[dim]{message}[/dim]"):
+        yield
 
 
 def count(n: float) -> str:

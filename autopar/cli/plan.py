@@ -19,7 +19,8 @@ from autopar.cli.common import (
     positive,
     positive_float,
     print_json,
-    progress,
+    progress_bar,
+    spinner,
 )
 from autopar.files import check_writable, write_atomic
 from autopar.plan import Plan
@@ -69,17 +70,15 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
         top_k=args.top,
         time_limit_s=args.time_limit,
     )
-    progress(args, f"capturing {args.model} at seq {request.seq} …")
-    profiles = ModelProfiles.of(args.model, dtype=args.dtype, seq=request.seq)
-    profiles.at(1), profiles.at(2)  # the two captures every micro-batch size is derived from
-    progress(args, "planning …")
-    result = make_plan(request, profiles)
+    with spinner(args, f"capturing {args.model} at seq {request.seq} …"):
+        profiles = ModelProfiles.of(args.model, dtype=args.dtype, seq=request.seq)
+        profiles.at(1), profiles.at(2)  # the two captures every micro-batch size is derived from
+    with progress_bar(not args.json) as bar:
+        result = make_plan(request, profiles, progress=bar)
     plan = result.plan
     if args.out:
         write_atomic(args.out, plan.to_json())
-    best = plan.predicted["step_time_s"]
-    alternatives = [c.to_dict(best) for c in result.alternatives]
-    baselines = {k: (c.to_dict(best) if c else None) for k, c in result.baselines.items()}
+    alternatives, baselines = plan.why["alternatives"], plan.why["baselines"]
     if args.json:
         print_json(
             {

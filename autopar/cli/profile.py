@@ -4,17 +4,14 @@ compile, then check the predictions on the real cluster)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import sys
-from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from autopar.cli.common import positive, read_plan
+from autopar.cli.common import positive, progress_bar, read_plan
 from autopar.errors import AutoparError
 from autopar.files import check_writable
 from autopar.units import parse_quantity
@@ -92,30 +89,6 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-@contextlib.contextmanager
-def _bar(enabled: bool) -> Iterator[Callable[[int, int, str], None] | None]:
-    """A progress bar on stderr (at a terminal and without --json), as a progress callback."""
-    if not enabled or not sys.stderr.isatty():
-        yield None
-        return
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as bar:
-        task = bar.add_task("starting", total=1)
-
-        def update(done: int, total: int, what: str) -> None:
-            bar.update(task, completed=done, total=total, description=what)
-
-        yield update
-
-
 def cmd_profile(args: argparse.Namespace, console: Console) -> None:
     import warnings
 
@@ -131,7 +104,7 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
         torch.set_num_threads(args.threads)
     seq = model_seq(args.model, args.seq, dtype=args.dtype)
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    with _bar(rank0 and not args.json) as update, warnings.catch_warnings():
+    with progress_bar(rank0 and not args.json) as update, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the no-op process group's collectives warn per call
         profile = profile_compute(
             args.model,
@@ -194,7 +167,7 @@ def cmd_profile_comm(args: argparse.Namespace, console: Console) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     init_distributed()
     rank = dist.get_rank()
-    with _bar(rank == 0 and not args.json) as update:
+    with progress_bar(rank == 0 and not args.json) as update:
         profile = measure_comm(
             min_bytes=args.min_bytes,
             max_bytes=args.max_bytes,

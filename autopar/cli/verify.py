@@ -14,8 +14,8 @@ from autopar.cli.common import (
     constraints_from_args,
     positive,
     print_json,
-    progress,
     read_plan,
+    spinner,
 )
 
 
@@ -71,18 +71,18 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
             constraints=constraints_from_args(args),
         )
         plan = make_plan(request, profiles).plan
-    progress(args, f"running {plan.strategy.world_size} processes and the single-process reference …")
     if args.loss:
         resolve_loss(args.loss)  # a bad --loss is a user error here, not in every worker
-    report = verify_plan(
-        args.model,
-        plan,
-        nproc=args.nproc,
-        steps=args.steps,
-        vocab=profiles.base.vocab,
-        loss_spec=args.loss,
-        optimizer=args.optimizer,
-    )
+    with spinner(args, f"running {plan.strategy.world_size} processes and the single-process reference …"):
+        report = verify_plan(
+            args.model,
+            plan,
+            nproc=args.nproc,
+            steps=args.steps,
+            vocab=profiles.base.vocab,
+            loss_spec=args.loss,
+            optimizer=args.optimizer,
+        )
     if args.json:
         print_json({"plan": plan.to_dict(), **report.to_dict()})
     else:

@@ -63,6 +63,8 @@ class Trace(NamedTuple):
     """The parameters after each step."""
     initial: dict[str, torch.Tensor]
     """The parameters before the first step."""
+    norms: tuple[float, ...] = ()
+    """Each step's whole-model gradient norm (before any clipping)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,6 +180,10 @@ class _Judge:
             if p is not None:  # (a missing one is named above)
                 floor = UPDATE_FLOOR * rms * math.sqrt(ref_update.numel())
                 self.param(k, name, p - before[name], ref_update, floor)
+        norms = got.get("grad_norms", [])
+        if k < len(norms) and k < len(ref.norms) and math.isfinite(norms[k]):  # (fp16: an overflow)
+            err = abs(norms[k] - ref.norms[k]) / max(ref.norms[k], 1e-30)
+            self.check("grad", err, self.grad_b, f"step {k}: the gradient norm ({norms[k]:.6g})")
         ref_loss, loss = ref.losses[k], got["losses"][k]
         self.check(
             "loss", abs(loss - ref_loss) / max(abs(ref_loss), 1e-30), self.loss_b, f"step {k}: the loss"

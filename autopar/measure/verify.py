@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -61,16 +62,18 @@ def run_reference(
     optimizer: str = "adamw",
     *,
     autocast: torch.dtype | None = None,
+    max_grad_norm: float = math.inf,
 ) -> Trace:
     """Train on the full batch ``data`` (steps × global batch × seq) in this process, recording
-    each step's loss, gradients and parameters (``autocast``: the forward under torch.autocast in
-    that dtype, for half-precision plans)."""
+    each step's loss, gradients, gradient norm and parameters (``autocast``: the forward under
+    torch.autocast in that dtype, for half-precision plans; ``max_grad_norm``: clipped to it by
+    ``torch.nn.utils.clip_grad_norm_``)."""
     loss_fn = resolve_loss(loss_spec)
     model = make_model()
     opt = OPTIMIZERS[optimizer](model.parameters(), lr=LR)
     named = list(model.named_parameters(remove_duplicate=False))  # a tied weight under each name
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    losses, grads, params = [], [], []
+    losses, grads, params, norms = [], [], [], []
     for step in range(steps):
         with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
             loss = loss_of(model, data[step], loss_fn)
@@ -78,11 +81,19 @@ def run_reference(
         grads.append(
             {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for n, p in named}
         )
+        norms.append(
+            math.sqrt(
+                sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None)
+            )
+        )
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         params.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-    return Trace(losses=losses, state=params[-1], grads=grads, params=params, initial=initial)
+    return Trace(
+        losses=losses, state=params[-1], grads=grads, params=params, initial=initial, norms=tuple(norms)
+    )
 
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
@@ -209,6 +220,7 @@ def _traced_steps(pm: Any, data: torch.Tensor, steps: int) -> dict[str, Any]:
             micro = pm.backward(data[step, at * local : (at + 1) * local])
         scale = float(pm.scaler.get_scale()) if pm.scaler is not None else 1.0
         grads = pm.full_grads()  # collective; rank 0 keeps the trace (its memory is the cost)
+        out.setdefault("grad_norms", []).append(pm.clip_grad_norm(math.inf))  # measures only
         with comm if step == 0 else contextlib.nullcontext():
             pm.step()
         out["losses"].append(pm.mean_loss(micro))

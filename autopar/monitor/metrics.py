@@ -12,8 +12,12 @@ the loss's all-reduce, so every rank has finished the step) and the plan's predi
 - tokens/s = global batch · seq / step time, and per GPU (÷ world);
 - TFLOP/s per GPU and MFU: the plan's predicted figures × predicted step / measured step (the
   plan counts the model FLOPs once, from the captured graph: ``Plan.predicted``);
+- the gradient norm, when ``train_step`` got ``max_grad_norm`` (``ParallelModel.last_grad_norm``);
 - measured / predicted step time; peak memory of this rank (CUDA allocator peak on a GPU, peak
   RSS on the CPU) against its stage's predicted peak.
+
+With ``collectives_every=N`` one step in N runs under ``torch.profiler`` and gets
+``collective_s`` (time in collectives, ``monitor.collectives``) next to ``predicted_comm_s``.
 
 Every ``memory_every`` steps every rank's peak memory is gathered (one small collective) for a
 per-rank JSONL line and Prometheus gauges labelled by rank. Sinks: a JSONL file (one line per
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
+from autopar.monitor.collectives import CollectiveTimer, predicted_comm_s
 from autopar.monitor.drift import Drift
 from autopar.monitor.sinks import GAUGES, JsonlSink, PrometheusSink, Sink, TensorBoardSink
 
@@ -71,12 +76,19 @@ class Metrics:
         drift: float = 1.5,
         drift_steps: int = 5,
         warmup_steps: int = 2,
+        collectives_every: int = 0,
     ) -> None:
         if memory_every < 1 or drift <= 1.0 or drift_steps < 1 or warmup_steps < 0:
             raise AutoparError(
                 f"memory_every={memory_every}, drift={drift}, drift_steps={drift_steps}, "
                 f"warmup_steps={warmup_steps}: need memory_every ≥ 1, drift > 1, drift_steps ≥ 1, warmup ≥ 0"
             )
+        if collectives_every == 1 or collectives_every < 0:
+            raise AutoparError(
+                f"collectives_every={collectives_every}: give 0 (off) or N ≥ 2 (one step in N profiled, "
+                "the one before it warms the profiler up)"
+            )
+        self.collectives = CollectiveTimer(collectives_every) if collectives_every else None
         self.pm, self.memory_every, self.warmup_steps = pm, memory_every, warmup_steps
         self.rank = dist.get_rank()
         self.last: dict[str, float] = {}
@@ -99,7 +111,9 @@ class Metrics:
         tokens = st.global_batch * st.seq / measured
         stage = plan.stages[stage_of_rank(self.pm)]
         peak = peak_memory_bytes()
+        grad_norm = {} if self.pm.last_grad_norm is None else {"grad_norm": float(self.pm.last_grad_norm)}
         return {
+            **grad_norm,
             "loss": float(loss),
             "step_time_s": measured,
             "predicted_step_time_s": predicted,
@@ -116,7 +130,10 @@ class Metrics:
     def step_done(self, step: int, loss: float) -> dict[str, float]:
         """Record step ``step`` (just trained by ``pm.train_step``, which returned ``loss``);
         returns this rank's figures. Collective every ``memory_every`` steps."""
+        collective_s = self.collectives.step() if self.collectives is not None else None
         self.last = self.figures(loss)
+        if collective_s is not None:
+            self.last |= {"collective_s": collective_s, "predicted_comm_s": predicted_comm_s(self.pm.plan)}
         per_rank = None
         if (step + 1) % self.memory_every == 0:
             peaks: list[Any] = [None] * dist.get_world_size()
@@ -132,7 +149,10 @@ class Metrics:
         return self.last
 
     def close(self) -> None:
-        """Flush and close the files, stop the endpoint."""
+        """Flush and close the files, stop the endpoint and the profiler."""
+        if self.collectives is not None:
+            self.collectives.close()
+            self.collectives = None
         for sink in self.sinks:
             sink.close()
         self.sinks = []

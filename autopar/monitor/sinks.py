@@ -29,6 +29,10 @@ GAUGES = (
     "memory_over_predicted",
 )
 """The per-step figures every sink gets (rank 0's)."""
+OPTIONAL_GAUGES = ("grad_norm", "collective_s", "predicted_comm_s")
+"""Figures a step has only when measured: ``grad_norm`` when ``train_step`` got
+``max_grad_norm``; ``collective_s`` and ``predicted_comm_s`` on the steps profiled
+(``Metrics(collectives_every=N)``)."""
 
 _MISSING = "metrics for {what} need the {package} package: pip install 'autopar[monitor]'"
 
@@ -102,7 +106,8 @@ class PrometheusSink:
             raise AutoparError(_MISSING.format(what="Prometheus", package="prometheus_client")) from None
         self.registry = CollectorRegistry()
         self.gauges: dict[str, Any] = {
-            name: Gauge(prometheus_name(name), f"autopar {name}", registry=self.registry) for name in GAUGES
+            name: Gauge(prometheus_name(name), f"autopar {name}", registry=self.registry)
+            for name in (*GAUGES, *OPTIONAL_GAUGES)
         }
         self.step = Gauge("autopar_step", "the last step recorded", registry=self.registry)
         self.ranks = {
@@ -130,4 +135,12 @@ class PrometheusSink:
         self.thread.join(timeout=5)
 
 
-__all__ = ["GAUGES", "JsonlSink", "PrometheusSink", "Sink", "TensorBoardSink", "prometheus_name"]
+__all__ = [
+    "GAUGES",
+    "OPTIONAL_GAUGES",
+    "JsonlSink",
+    "PrometheusSink",
+    "Sink",
+    "TensorBoardSink",
+    "prometheus_name",
+]

@@ -14,7 +14,7 @@ from autopar.errors import InfeasibleError
 from autopar.plan import Plan, StagePlan, validate_plan
 from autopar.planner.pricing import Pricer
 from autopar.planner.profiles import ModelProfiles
-from autopar.planner.search import Candidate, search
+from autopar.planner.search import Candidate, Progress, search
 from autopar.planner.tp_layouts import tp_tables
 from autopar.request import Constraints, PlanRequest
 from autopar.strategy import Strategy, StrategyError
@@ -34,9 +34,12 @@ class PlanResult:
     outer_candidates: int
 
 
-def make_plan(request: PlanRequest, profiles: ModelProfiles | None = None) -> PlanResult:
+def make_plan(
+    request: PlanRequest, profiles: ModelProfiles | None = None, *, progress: Progress | None = None
+) -> PlanResult:
     """Search, then wrap the best candidate as a Plan with runners-up and baselines.
-    ``profiles``: the model's (default: captured here from ``request.model``).
+    ``profiles``: the model's (default: captured here from ``request.model``); ``progress``:
+    told how the search goes (``search.Progress``: a CLI's progress bar).
 
     Raises ``InfeasibleError`` when no plan fits, naming the leanest plan tried,
     the memory it would need and the knobs that would help.
@@ -48,7 +51,7 @@ def make_plan(request: PlanRequest, profiles: ModelProfiles | None = None) -> Pl
     pricer = Pricer(
         profiles, request.cluster, dtype=request.dtype, reserve_bytes=request.constraints.reserve_bytes
     )
-    res = search(request, pricer)
+    res = search(request, pricer, progress) if progress is not None else search(request, pricer)
     if not res.found:
         raise _infeasible(request, res.leanest, blocks=base.blocks, heads=base.heads)
     best = replace(res.found[0], gap=res.gap)
@@ -56,10 +59,16 @@ def make_plan(request: PlanRequest, profiles: ModelProfiles | None = None) -> Pl
     validate_plan(
         plan, world_size=request.cluster.world_size, blocks=base.blocks, capacity_bytes=request.capacity_bytes
     )
+    alternatives, hand = tuple(res.found[1:]), baselines(request, pricer)
+    best_s = plan.predicted["step_time_s"]
+    why = {
+        "alternatives": [c.to_dict(best_s) for c in alternatives],
+        "baselines": {k: (c.to_dict(best_s) if c else None) for k, c in hand.items()},
+    }
     return PlanResult(
-        plan=plan,
-        alternatives=tuple(res.found[1:]),
-        baselines=baselines(request, pricer),
+        plan=replace(plan, why=why),
+        alternatives=alternatives,
+        baselines=hand,
         solve_time_s=time.perf_counter() - start,
         ilps_solved=res.ilps,
         outer_candidates=res.outer,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -211,7 +212,18 @@ def lower_bound_s(
     )
 
 
-def search(request: PlanRequest, pricer: Pricer) -> SearchResult:
+Progress = Callable[[int, int, str], None]
+"""Told (done, total, what) as the search goes: pricing each outer choice, then solving each
+one visited in bound order (done = total when the rest are bounded out); the convention of
+``autopar profile``'s progress too."""
+PRICING, SOLVING = "pricing outer choices", "solving layouts in bound order"
+
+
+def _quiet(done: int, total: int, what: str) -> None:
+    """The default ``Progress``: nobody is told."""
+
+
+def search(request: PlanRequest, pricer: Pricer, progress: Progress = _quiet) -> SearchResult:
     """Branch and bound over outer strategies: the optimum first, then the best ``top_k``
     runners-up met on the way (the search stops once no bound can beat the optimum).
 
@@ -227,17 +239,20 @@ def search(request: PlanRequest, pricer: Pricer) -> SearchResult:
         strategies = [v for st in strategies for v in pricer.layouts.variants(st)]
     infeasible: list[Strategy] = []
     bounded = []
-    for st in strategies:
+    for i, st in enumerate(strategies):
+        progress(i, len(strategies), PRICING)
         terms = pricer.terms(st)
         if not fits_somehow(terms, base.blocks, capacity, c.recompute):
             infeasible.append(st)
             continue
         bounded.append((lower_bound_s(terms, base.blocks, capacity, c.recompute), st, terms))
+    progress(len(strategies), len(strategies), PRICING)
     bounded.sort(key=lambda x: x[0])
     found: list[Candidate] = []
     proven: list[float] = []
     ilps = 0
-    for bound, st, terms in bounded:
+    for i, (bound, st, terms) in enumerate(bounded):
+        progress(i, len(bounded), SOLVING)
         if found and bound >= found[0].estimate.step_time_s:
             break  # no remaining outer choice can beat the best plan
         cand = _even_split(pricer, st, bound, capacity, c.recompute, base.blocks)
@@ -251,6 +266,7 @@ def search(request: PlanRequest, pricer: Pricer) -> SearchResult:
             proven.append(cand.estimate.step_time_s * (1 - cand.gap))  # no layout of it is faster
         found.append(cand)
         found.sort(key=lambda x: x.estimate.step_time_s)
+    progress(len(bounded), len(bounded), SOLVING)
     best = found[0].estimate.step_time_s if found else math.inf
     gap = max([0.0, *((best - lb) / best for lb in proven if lb < best)]) if found else 0.0
     return SearchResult(
@@ -302,4 +318,4 @@ def _leanest(
     return sorted(leanest, key=lambda x: x[0])
 
 
-__all__ = ["Candidate", "SearchResult", "lower_bound_s", "outer_strategies", "search"]
+__all__ = ["Candidate", "Progress", "SearchResult", "lower_bound_s", "outer_strategies", "search"]

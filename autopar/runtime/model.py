@@ -16,6 +16,7 @@ from autopar.errors import AutoparError
 from autopar.graph.objective import LOGITS, Objective
 from autopar.plan import Plan
 from autopar.runtime.distributed import agree_on_batch, device_type, peer_failures, reduce_partial_grads
+from autopar.runtime.grad_norm import clip_grads_, grad_norm
 from autopar.runtime.loss import LossFn
 from autopar.runtime.schedules import LocalSchedule, PipelineSchedule
 from autopar.runtime.sharding import StageOptimizers
@@ -69,6 +70,9 @@ class ParallelModel:
     ``load_full_state_dict`` or a DCP ``load_state_dict``."""
     last_step_s: float = 0.0
     """Wall time of the last ``train_step`` on this rank, seconds (``autopar.Metrics`` reads it)."""
+    last_grad_norm: float | None = None
+    """The whole model's gradient norm in the last ``train_step`` given ``max_grad_norm`` (before
+    clipping; None otherwise)."""
 
     @property
     def module(self) -> nn.Module:
@@ -116,14 +120,17 @@ class ParallelModel:
                 "(load_full_state_dict, or torch.distributed.checkpoint.load + load_state_dict)"
             )
 
-    def train_step(self, batch: torch.Tensor) -> float:
+    def train_step(self, batch: torch.Tensor, *, max_grad_norm: float | None = None) -> float:
         """Forward, backward over the plan's micro-batches, optimizer step; returns the mean loss
         over all data-parallel ranks. ``batch`` is this replica's share: global batch / dp rows.
-        A peer that died or hung (past the process group's timeout) is an ``AutoparError``
-        saying so, on every surviving rank."""
+        ``max_grad_norm``: clip the whole model's gradient norm to it first, as
+        ``torch.nn.utils.clip_grad_norm_`` does (``inf`` measures without clipping); the norm is
+        ``last_grad_norm``. A peer that died or hung (past the process group's timeout) is an
+        ``AutoparError`` saying so, on every surviving rank."""
         start = time.perf_counter()
         with peer_failures("a training step"):
             losses = self.backward(batch)
+            self.last_grad_norm = None if max_grad_norm is None else self.clip_grad_norm(max_grad_norm)
             self.step()
             loss = self.mean_loss(losses)  # its all-reduce and .item() end the step on every rank
         self.last_step_s = time.perf_counter() - start
@@ -140,6 +147,19 @@ class ParallelModel:
         for tied in self.tied:  # embedding and head gradients of a tied weight add up
             reduce_partial_grads(tied.params, tied.group)
         return losses
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """After ``backward``: the whole model's gradient norm (under fp16 unscaled first), and
+        every gradient scaled by min(1, max_norm / (norm + 1e-6)). Collective (one scalar)."""
+        if not max_norm > 0:
+            raise AutoparError(f"max_grad_norm={max_norm}: give a positive norm (inf to only measure)")
+        if self.scaler is not None:
+            (opt,) = self.optimizer.optimizers
+            self.scaler.unscale_(opt)  # step() then applies the unscaled gradients
+        st = self.plan.strategy
+        norm = grad_norm(self.stages, self.tied, stage_ranks=st.dp * st.tp)
+        clip_grads_(self.stages, max_norm, norm)
+        return norm
 
     def step(self) -> None:
         """The second half of ``train_step``: the optimizer step (through the loss scaler under

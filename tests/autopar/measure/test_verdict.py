@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Iterator
 from unittest import mock
 
@@ -282,6 +283,15 @@ def test_the_verdict_is_relative_to_each_parameter_and_names_it() -> None:
     assert not v.passed and "'small'" in str(v.first_failure) and "after the step" in str(v.first_failure)
     assert not judge(ref, run({"big": torch.ones(100)}), "float64").passed  # a missing gradient
     assert not judge(ref, run(ref.grads[0], frozen), "bf16").passed  # did not move at all
+
+
+def test_the_gradient_norm_is_checked_each_step() -> None:
+    ref = _trace({"w": torch.full((4,), 1.0)})._replace(norms=(2.0,))
+    run = {"losses": [1.0], "grads": ref.grads, "params": ref.params}
+    assert judge(ref, {**run, "grad_norms": [2.0]}, "float64").passed
+    v = judge(ref, {**run, "grad_norms": [2.0 * (1 + 1e-6)]}, "float64")
+    assert not v.passed and "the gradient norm" in str(v.first_failure)
+    assert judge(ref, {**run, "grad_norms": [math.inf]}, "fp16").passed  # fp16 overflow: step skipped
 
 
 @pytest.mark.parametrize("arithmetic", ["float64", "bf16", "fp16"])

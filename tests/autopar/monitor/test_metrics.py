@@ -1,6 +1,7 @@
 """autopar.Metrics on a 2-process gloo run with all three sinks: the JSONL has every figure for
 every step, TensorBoard's reader reads the same values back, the Prometheus endpoint is scraped
-over HTTP on 127.0.0.1 and every gauge parses and equals the last JSONL line."""
+over HTTP on 127.0.0.1 and every gauge parses and equals the last JSONL line. The run clips its
+gradient norm: each step's norm equals single-process training's with ``clip_grad_norm_``."""
 
 from __future__ import annotations
 
@@ -15,16 +16,23 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from autopar.measure.verify import run_reference
 from autopar.monitor import GAUGES, read_jsonl
 from autopar.monitor.drift import Drift
 from autopar.zoo import GPT, GPTConfig
-
-STEPS = 4
 
 
 def _gpt() -> torch.nn.Module:
     torch.manual_seed(0)
     return GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+
+
+STEPS, CLIP = 4, 0.5
+
+
+def _batch(step: int) -> torch.Tensor:
+    """The global batch of step ``step`` (rank r trains rows 2r, 2r + 1)."""
+    return torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
 
 
 def _free_port() -> int:
@@ -44,14 +52,20 @@ def worker(rank: int, init: str, folder: str, port: int) -> None:
     torch.set_num_threads(1)
     cluster = autopar.Cluster.preset("cpu", gpus_per_node=2)
     cons = autopar.Constraints(tp=1, pp=1, dp=2, micro_batch=2, recompute=("none",))
-    pm = autopar.parallelize(_gpt(), cluster, global_batch=4, seq=16, constraints=cons)
+    pm = autopar.parallelize(
+        _gpt(), cluster, global_batch=4, seq=16, constraints=cons, optimizer_kwargs={"lr": 1e-2}
+    )
     metrics = autopar.Metrics(
-        pm, jsonl=f"{folder}/run.jsonl", tensorboard=f"{folder}/tb", prometheus_port=port, memory_every=2
+        pm,
+        jsonl=f"{folder}/run.jsonl",
+        tensorboard=f"{folder}/tb",
+        prometheus_port=port,
+        memory_every=2,
+        collectives_every=2,
     )
     try:
         for step in range(STEPS):
-            batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
-            metrics.step_done(step, pm.train_step(batch))
+            metrics.step_done(step, pm.train_step(_batch(step)[2 * rank : 2 * rank + 2], max_grad_norm=CLIP))
         if rank == 0:  # scraped while the run is live
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
                 Path(f"{folder}/scrape.txt").write_text(r.read().decode())
@@ -98,6 +112,15 @@ def test_jsonl_tensorboard_and_prometheus_agree(tmp_path) -> None:
         "1": ranks[-1]["ranks"][1]["peak_memory_bytes"],
     }
     json.dumps(lines)  # plain JSON all through
+    profiled = [line["step"] for line in steps if "collective_s" in line]
+    assert profiled == [1, 3] and all(steps[k]["collective_s"] > 0 for k in profiled)  # DDP's all-reduce
+    assert steps[1]["predicted_comm_s"] > 0
+    assert families["autopar_collective_seconds"].samples[0].value == steps[3]["collective_s"]
+    data = torch.stack([_batch(step) for step in range(STEPS)])
+    ref = run_reference(_gpt, data, STEPS, max_grad_norm=CLIP)
+    assert all(n > CLIP for n in ref.norms)  # every step clips
+    assert [line["grad_norm"] for line in steps] == pytest.approx(list(ref.norms), rel=1e-5)
+    assert [line["loss"] for line in steps] == pytest.approx(ref.losses, rel=1e-5)
 
 
 class _Plan:

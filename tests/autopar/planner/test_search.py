@@ -131,10 +131,20 @@ def test_some_instances_bind_memory(profile_at) -> None:
 
 def test_plan_round_trips_and_validates(profile_at, tmp_path) -> None:
     cluster = Cluster.preset("dgx-a100-80g", nodes=2, gpus_per_node=2)
-    result = plan_with(profile_at, cluster, batch=8, c=Constraints(pp=2, reserve_bytes=0.0))
+    told: list[tuple[int, int, str]] = []
+    request = PlanRequest(model="tiny", cluster=cluster, global_batch=8, seq=SEQ,
+                          constraints=Constraints(pp=2, reserve_bytes=0.0))  # fmt: skip
+    result = make_plan(request, profile_at, progress=lambda *a: told.append(a))
     plan = result.plan
     assert Plan.from_json(plan.to_json()) == plan
     assert Plan.from_json(plan.to_json()).hash == plan.hash
+    assert Plan.from_json(plan.to_json()).why == plan.why and "baselines" in plan.why
+    assert plan.hash == replace(plan, why={}).hash  # evidence, not a decision
+    for what in {w for _, _, w in told}:  # each phase counts up to its total
+        done = [d for d, _, w in told if w == what]
+        total = {t for _, t, w in told if w == what}
+        assert done == sorted(done) and len(total) == 1 and done[-1] == total.pop() > 0, what
+    assert len({w for _, _, w in told}) == 2
     st = plan.strategy
     assert st.tp * st.pp * st.dp == 4 and len(plan.stages) == 2
     names = [n for s in plan.stages for n in s.layers]
