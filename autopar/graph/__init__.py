@@ -14,6 +14,7 @@ Works on meta-device models (nothing is allocated, even at 1T parameters).
 from __future__ import annotations
 
 import inspect
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from autopar.graph.trace import (
     expand_repeated,
     export_graph,
     find_repeated_blocks,
+    quiet_export_logs,
     truncated,
 )
 
@@ -163,7 +165,7 @@ def capture(
         try:
             with truncated(rb, TRACED_BLOCKS):
                 small = export_graph(model, args, kwargs)
-            annotate_costs(small)
+            priced(small)
             constants = {
                 str(n.target): getattr(small, str(n.target))
                 for n in small.graph.nodes
@@ -174,7 +176,7 @@ def capture(
             gm = None  # trace the whole model: it reports its own error if it fails too
     spliced = gm is not None
     if gm is None:
-        gm = annotate_costs(export_graph(model, args, kwargs))
+        gm = priced(export_graph(model, args, kwargs))
     layers = group_layers(gm, rb.fqn if rb is not None else find_layer_container(model))
     blocks = sum(1 for layer in layers if layer.name not in ("embed", "head"))
     return CapturedModel(
@@ -188,6 +190,22 @@ def capture(
         traced_blocks=TRACED_BLOCKS if spliced else blocks,
         capture_s=time.perf_counter() - start,
     )
+
+
+def priced(gm: fx.GraphModule) -> fx.GraphModule:
+    """``annotate_costs(gm)``; an operator that fails on the fake CPU tensors it runs on is one
+    ``CaptureError`` line naming the node, not a traceback."""
+    try:
+        with quiet_export_logs():
+            return annotate_costs(gm)
+    except Exception as e:
+        text = str(e).strip()
+        node = re.search(r"While executing (%\S+)", text)
+        first = (text.splitlines() or [type(e).__name__])[0]
+        raise CaptureError(
+            f"the model traced, but pricing its graph failed at {node.group(1) if node else 'a node'}: "
+            f"{first} (an operator the CPU's fake kernels refuse for these inputs)"
+        ) from e
 
 
 def _hidden_size(gm: fx.GraphModule) -> int | None:

@@ -36,7 +36,7 @@ memory, no compute) with parameters that require grad, and records per node:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,11 +49,25 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 _aten = torch.ops.aten
 
-# PyTorch's table has the GPU attention kernels; the CPU flash kernel does the same math.
-_EXTRA_FLOPS = {
+
+def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+    """FLOPs of ``aten._grouped_mm(a, b, offs)``, the routed experts' matmul of MoE models
+    (Hugging Face's grouped experts, torchtitan): each row of ``a`` (S, K) meets the one expert
+    matrix of ``b`` (E, K, N) its group names, 2·S·K·N; batched 3-D × 3-D, 2·E·M·K·N; 2-D × 2-D
+    (groups along K, the weight gradient's form), 2·M·K·N."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    rows = a.shape[0] if a.dim() == 2 else a.shape[0] * a.shape[1]
+    return 2 * rows * a.shape[-1] * b.shape[-1]
+
+
+# PyTorch's table has the GPU attention kernels; the CPU flash kernel does the same math. Its
+# table has no grouped matmul.
+_EXTRA_FLOPS: dict[Any, Callable[..., int]] = {
     _aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(
         q.shape, k.shape, v.shape
     ),
+    _aten._grouped_mm: grouped_mm_flops,
 }
 
 
@@ -124,6 +138,10 @@ class _CostInterpreter(fx.Interpreter):
         if target is _aten.dropout.default and _fused_dropout(args, kwargs):
             # CPU dropout saves its mask in the input dtype; the GPU kernel keeps a bool mask.
             return _aten.native_dropout.default(args[0], args[1], True)[0]
+        if target is _aten.histc.default and not args[0].is_floating_point():
+            # Traced on the meta device, Hugging Face's grouped-MoE counts tokens per expert with an
+            # integer histc, which the CPU lacks: the same (bins,) counts, computed in float.
+            return _aten.histc.default(args[0].float(), *args[1:], **kwargs).to(args[0].dtype)
         return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:

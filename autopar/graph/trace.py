@@ -63,27 +63,33 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
     Raises ``CaptureError`` naming the module and source line when tracing fails.
     """
     try:
-        with _quiet_export_logs():
+        with quiet_export_logs():
             ep = torch.export.export(model, args, dict(kwargs), strict=False)
     except Exception as e:
         raise capture_error(model, e) from e
     return canonical(_to_graph_module(model, ep))
 
 
-EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
+EXPORT_LOGGERS = {
+    "torch.fx.experimental.symbolic_shapes": logging.ERROR,
+    "torch._dynamo": logging.ERROR,
+    "torch.export": logging.ERROR,
+    "torch._export": logging.ERROR,
+    "torch._subclasses.fake_tensor": logging.CRITICAL,  # its errors: a kernel's traceback, raised anyway
+}
 """Loggers whose warnings (a whole printed graph on a data-dependent branch) would bury the one
-line ``capture_error`` gives."""
+line ``capture_error`` gives, and the level each is held at."""
 
 
 @contextlib.contextmanager
-def _quiet_export_logs() -> Iterator[None]:
+def quiet_export_logs() -> Iterator[None]:
     """Only errors from torch.export's loggers while it runs (their levels restored after), and
     what it prints to stderr held back: on a failure it prints the partial graph, which the
     one-line error replaces; on success the held text is written out after all."""
     loggers = [logging.getLogger(name) for name in EXPORT_LOGGERS]
     levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
+    for lg, level in zip(loggers, EXPORT_LOGGERS.values(), strict=True):
+        lg.setLevel(level)
     held = io.StringIO()
     try:
         with contextlib.redirect_stderr(held):

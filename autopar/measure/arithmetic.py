@@ -23,10 +23,13 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """Half-precision arithmetic → the autocast dtype of its reference."""
 
 
-def arithmetic_of(dtype: str) -> str:
-    """What a plan of ``dtype`` is checked in: fp32 (and fp64) plans in float64, half-precision
+def arithmetic_of(dtype: str, model: str = "float64") -> str:
+    """What a plan of ``dtype`` is checked in: fp32 (and fp64) plans in float64 (in float32 for a
+    model that does not run in float64: ``model``, its ``float64_arithmetic``), half-precision
     ones in their own dtype."""
-    return "float64" if dtype in ("fp32", "fp64") else dtype
+    if dtype not in ("fp32", "fp64"):
+        return dtype
+    return "float32" if model == "float32" else "float64"
 
 
 def in_eval_mode(make_model: Callable[[], nn.Module]) -> nn.Module:
@@ -62,6 +65,21 @@ class _FloatDtypes(TorchDispatchMode):
         return out
 
 
+def float64_arithmetic(make_model: Callable[[], nn.Module], loss_fn: Any, tokens: torch.Tensor) -> str:
+    """How an fp32 plan of this model is checked: ``float64`` (made float64, it computes in
+    float64), ``lowered`` (made float64, some of its operators still compute lower on purpose:
+    judged at float32's bounds), or ``float32`` (it does not run in float64 at all — the grouped
+    matmul of Hugging Face's MoE experts, ``torch._grouped_mm``, has no double kernel — so both
+    sides run in float32, judged at float32's bounds)."""
+    try:
+        lowered = computes_below_float64(make_model, loss_fn, tokens)
+    except RuntimeError as e:
+        if "Double" not in str(e):
+            raise
+        return "float32"
+    return "lowered" if lowered else "float64"
+
+
 @torch.no_grad()
 def computes_below_float64(make_model: Callable[[], nn.Module], loss_fn: Any, tokens: torch.Tensor) -> bool:
     """Whether the model, made float64, still computes some operators of its forward in a lower
@@ -92,6 +110,7 @@ __all__ = [
     "arithmetic_of",
     "computes_below_float64",
     "draws_masks",
+    "float64_arithmetic",
     "in_eval_mode",
     "model_for_check",
 ]

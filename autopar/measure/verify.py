@@ -24,8 +24,8 @@ from autopar.errors import AutoparError
 from autopar.measure.arithmetic import (
     HALF,
     arithmetic_of,
-    computes_below_float64,
     draws_masks,
+    float64_arithmetic,
     in_eval_mode,
     model_for_check,
 )
@@ -420,13 +420,13 @@ def verify_cases(
     jobs: list[Job] = []
     where: list[tuple[int, int | None, int | None]] = []  # per case: its jobs (off, on, twin)
     random: dict[Callable[[], nn.Module], bool] = {}  # per model: whether it draws masks
-    lowered: dict[Callable[[], nn.Module], bool] = {}  # per model: float32 ops inside float64
+    double: dict[Callable[[], nn.Module], str] = {}  # per model: ``float64_arithmetic``
     offs: dict[tuple[Callable[[], nn.Module], str], Callable[[], nn.Module]] = {}  # as compared
     for make_model, plan, hook in cases:
         if make_model not in random:
             random[make_model] = draws_masks(make_model, resolve_loss(loss_spec), data[0, :1])
-            lowered[make_model] = computes_below_float64(make_model, resolve_loss(loss_spec), data[0, :1])
-        arithmetic = arithmetic_of(plan.strategy.dtype)
+            double[make_model] = float64_arithmetic(make_model, resolve_loss(loss_spec), data[0, :1])
+        arithmetic = arithmetic_of(plan.strategy.dtype, double[make_model])
         make = functools.partial(model_for_check, make_model, arithmetic)
         off = offs.setdefault(
             (make_model, arithmetic), functools.partial(in_eval_mode, make) if random[make_model] else make
@@ -448,9 +448,9 @@ def verify_cases(
     }
     verdicts = []
     for (make_model, plan, _), (i_off, i_on, i_twin) in zip(cases, where, strict=True):
-        arithmetic = arithmetic_of(plan.strategy.dtype)
+        arithmetic = arithmetic_of(plan.strategy.dtype, double[make_model])
         ref = references[make_model, arithmetic]
-        judged = "float32" if arithmetic == "float64" and lowered[make_model] else arithmetic
+        judged = "float32" if arithmetic == "float64" and double[make_model] == "lowered" else arithmetic
         verdict = judge(ref, results[i_off], judged)
         if i_on is not None:
             twin = as_trace(results[i_twin], ref.initial) if i_twin is not None else None

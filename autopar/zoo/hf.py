@@ -118,14 +118,36 @@ def _family_table(
         "stablelm": ("StableLmConfig", "StableLmForCausalLM", gqa),
         "phi": ("PhiConfig", "PhiForCausalLM", {**dense, "intermediate_size": 2 * width}),
         "gptj": ("GPTJConfig", "GPTJForCausalLM", {**gpt, **nodrop, "rotary_dim": width // heads // 2}),
+        # Routed experts (top-2 of 4), run by Hugging Face's grouped experts (torch._grouped_mm):
+        # dropless, static shapes; Qwen2-MoE adds a gated shared expert.
+        "mixtral": (
+            "MixtralConfig",
+            "MixtralForCausalLM",
+            {**gqa, "num_local_experts": 4, "num_experts_per_tok": 2},
+        ),
+        "qwen2-moe": (
+            "Qwen2MoeConfig",
+            "Qwen2MoeForCausalLM",
+            {
+                **gqa,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": width // 2,
+                "shared_expert_intermediate_size": width,
+            },
+        ),
     }
 
 
 FAMILIES = (
     "gpt2", "llama", "llama-eager", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "falcon",
     "falcon-40b", "gpt-neox", "bloom", "opt", "gpt-bigcode", "olmo2", "stablelm", "phi", "gptj",
+    "mixtral", "qwen2-moe",
 )  # fmt: skip
 """The causal-LM families ``family`` builds (the suite runs each through capture, DP, TP and PP)."""
+NO_FLOAT64 = ("mixtral", "qwen2-moe")
+"""Families with no float64 forward (``torch._grouped_mm`` takes float32 and half precision):
+their checks run in float32."""
 
 
 def family(

@@ -247,3 +247,51 @@ def test_causal_attention_kernel_flops_are_about_half() -> None:
             assert n.meta["autopar.kernel_flops"] == round(n.meta["autopar.fwd_flops"] * share)
     linear = next(n for n in cap.gm.graph.nodes if n.target == aten.linear.default)
     assert linear.meta["autopar.kernel_flops"] == linear.meta["autopar.fwd_flops"]
+
+
+def test_hugging_face_moe_captures_on_meta_with_its_routed_experts_flops() -> None:
+    """Mixtral and Qwen2-MoE as shipped (Hugging Face's grouped experts: ``torch._grouped_mm``,
+    its token counts by an integer ``histc`` when traced on the meta device): captured, each
+    token's k experts priced 2·(H·2I + I·H) FLOPs apiece."""
+    from autopar.zoo import hf
+
+    for name, experts_ffn in (("mixtral", 128), ("qwen2-moe", 32)):
+        with torch.device("meta"):
+            model = hf.family(name, seq=16).to(torch.bfloat16)
+        cap = capture(model, batch=2, seq=16)
+        grouped = [
+            n.meta["autopar.fwd_flops"]
+            for n in cap.gm.graph.nodes
+            if n.target is torch.ops.aten._grouped_mm.default and n.meta.get("autopar.layer") == 1
+        ]
+        tokens, k, h = 2 * 16, 2, 64
+        assert sum(grouped) == 2 * tokens * k * (h * 2 * experts_ffn + experts_ffn * h), name
+
+
+def test_a_graph_its_fake_cpu_kernels_refuse_is_one_line() -> None:
+    """An operator that traces on the meta device but fails on the fake CPU tensors costs are
+    priced with: a CaptureError naming the node."""
+
+    @torch.library.custom_op("autopar_test::meta_only", mutates_args=())
+    def meta_only(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @meta_only.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            raise RuntimeError("meta_only has no CPU kernel\nsecond line")
+        return torch.empty_like(x)
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.e, self.w = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.w(meta_only(self.e(x)))
+
+    with torch.device("meta"):
+        model = M()
+    with pytest.raises(CaptureError, match=r"pricing its graph failed at %meta_only.*no CPU kernel") as e:
+        capture(model, batch=1, seq=4)
+    assert "\n" not in str(e.value)
