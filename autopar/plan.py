@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -33,6 +34,30 @@ class StagePlan:
     """Predicted compute + recompute + TP communication per micro-batch."""
     comm_per_micro_batch_s: float = 0.0
     """Of which tensor-parallel communication (exposed)."""
+
+    @property
+    def chunks(self) -> list[tuple[str, ...]]:
+        """The stage's layers as runs of consecutive blocks: one per model chunk it holds (v of
+        them under the interleaved schedule; the embedding and head join their neighbours)."""
+        runs: list[list[str]] = []
+        last = None
+        for name in self.layers:
+            index = re.search(r"(\d+)$", name)
+            here = int(index.group(1)) if index else None
+            if runs and (here is None or last is None or here == last + 1):
+                runs[-1].append(name)
+            else:
+                runs.append([name])
+            last = here if here is not None else last
+        return [tuple(r) for r in runs]
+
+    @property
+    def layers_summary(self) -> str:
+        """E.g. ``embed … blocks.3 (5)``; per chunk ``blocks.2 … blocks.3 | blocks.6 … head (5)``;
+        past three chunks ``6 chunks: embed … blocks.1 | … | blocks.20 … blocks.21 (13)``."""
+        spans = [f"{c[0]} … {c[-1]}" if len(c) > 1 else c[0] for c in self.chunks]
+        shown = " | ".join(spans) if len(spans) <= 3 else f"{len(spans)} chunks: {spans[0]} | … | {spans[-1]}"
+        return f"{shown} ({len(self.layers)})"
 
     @property
     def recompute_summary(self) -> str:
@@ -193,9 +218,7 @@ class Plan:
         ]
         for s in self.stages:
             rc = s.recompute_summary
-            lines.append(
-                f"stage {s.index}: {s.layers[0]} … {s.layers[-1]} ({len(s.layers)} layers; recompute {rc})"
-            )
+            lines.append(f"stage {s.index}: {s.layers_summary[:-1]} layers; recompute {rc})")
         for ltype, ops in self.tensor_parallel:
             lines.append(f"tensor parallel {ltype}: " + (", ".join(_tp_summary(ops)) or "all replicated"))
         return "\n".join(lines)

@@ -126,7 +126,7 @@ def _print_plan(console: Console, plan: Plan) -> None:
         other = mem["loss"] + mem["comm_buffers"] + mem["reserve"]
         table.add_row(
             str(s.index),
-            f"{s.layers[0]} … {s.layers[-1]} ({len(s.layers)})",
+            s.layers_summary,
             s.recompute_summary,
             f"{1e3 * s.time_per_micro_batch_s:.1f} ms",
             f"{1e3 * s.comm_per_micro_batch_s:.1f} ms",
@@ -139,7 +139,8 @@ def _print_plan(console: Console, plan: Plan) -> None:
     console.print(
         f"predicted: {pred['step_time_s']:.3f} s/step · {pred['tokens_per_s']:,.0f} tokens/s · "
         f"{pred['tflops_per_gpu']:.1f} TFLOP/s per GPU (MFU {100 * pred['mfu']:.1f}%, "
-        f"HFU {100 * pred['hfu']:.1f}%)"
+        f"HFU {100 * pred['hfu']:.1f}%); pipeline bubble "
+        f"{100 * pred['breakdown_s']['bubble'] / pred['step_time_s']:.1f}% of the step"
     )
     for note in pred.get("notes", []):
         console.print(f"[dim]note: {note}[/dim]")

@@ -153,7 +153,7 @@ def _memory_table(plan: Plan) -> str:
 
 def _stages_table(plan: Plan) -> str:
     rows = [
-        f"<td>{s.index}</td><td>{html.escape(f'{s.layers[0]} … {s.layers[-1]}')} ({len(s.layers)})</td>"
+        f"<td>{s.index}</td><td>{html.escape(s.layers_summary)}</td>"
         f"<td>{html.escape(s.recompute_summary)}</td>"
         + _value(
             f"stages.{s.index}.time_per_micro_batch_s",

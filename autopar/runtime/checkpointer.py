@@ -45,6 +45,7 @@ from autopar.runtime.checkpoint import (
     save_checkpoint,
     trainer_state,
 )
+from autopar.runtime.distributed import local_device
 
 _NAME = re.compile(r"^step-(\d+)$")
 
@@ -119,7 +120,8 @@ class Checkpointer:
         whether it saved. Collective."""
         # one MAX all-reduce per step: any rank preempted; any rank's async write still running
         flags = torch.tensor(
-            [int(self.preempted), int(self._pending is not None and not self._pending.done())]
+            [int(self.preempted), int(self._pending is not None and not self._pending.done())],
+            device=local_device(),  # NCCL reduces device tensors only
         )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         preempted, written = bool(flags[0]), not bool(flags[1])

@@ -96,9 +96,9 @@ def agree_on_plan(plan: Plan) -> None:
 def agree_on_batch(batch: torch.Tensor, st: Strategy) -> None:
     """Every rank checks every rank's batch size first: a wrong batch on one rank is an error on
     every rank, not a hang in the other ranks' collectives."""
-    expected = st.global_batch // st.dp
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([batch.shape[0]]))
+    expected, dev = st.global_batch // st.dp, local_device()  # NCCL reduces device tensors only
+    sizes = [torch.zeros(1, dtype=torch.long, device=dev) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([batch.shape[0]], device=dev))
     bad = [(rank, int(n)) for rank, n in enumerate(sizes) if int(n) != expected]
     if bad:
         rank, n = bad[0]

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.runtime.distributed import local_device
+
 
 def _copies(grad: torch.Tensor, stage_ranks: int) -> int:
     """How many ranks of one pipeline stage hold each element of ``grad``."""
@@ -40,7 +42,7 @@ def grad_norm(stages: list[nn.Module], tied: list[Any], *, stage_ranks: int) -> 
     """The L2 norm of every parameter's gradient of the whole model (collective: one scalar
     all-reduce). ``tied``: the rank's ``TiedGroup``s; ``stage_ranks``: dp · tp."""
     shared = {id(p): dist.get_world_size(t.group) for t in tied for p in t.params}
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=local_device())  # NCCL: device tensors
     seen: set[int] = set()
     for stage in stages:
         for p in stage.parameters():
@@ -50,7 +52,7 @@ def grad_norm(stages: list[nn.Module], tied: list[Any], *, stage_ranks: int) -> 
             g = p.grad
             local = g.to_local() if hasattr(g, "to_local") else g
             copies = _copies(g, stage_ranks) * shared.get(id(p), 1)
-            total += local.detach().double().pow(2).sum().cpu() / copies
+            total += local.detach().double().pow(2).sum() / copies
     dist.all_reduce(total)
     return math.sqrt(float(total))
 

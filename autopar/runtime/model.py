@@ -15,7 +15,13 @@ from torch import nn
 from autopar.errors import AutoparError
 from autopar.graph.objective import LOGITS, Objective
 from autopar.plan import Plan
-from autopar.runtime.distributed import agree_on_batch, device_type, peer_failures, reduce_partial_grads
+from autopar.runtime.distributed import (
+    agree_on_batch,
+    device_type,
+    local_device,
+    peer_failures,
+    reduce_partial_grads,
+)
 from autopar.runtime.grad_norm import clip_grads_, grad_norm
 from autopar.runtime.loss import LossFn
 from autopar.runtime.schedules import LocalSchedule, PipelineSchedule
@@ -106,9 +112,9 @@ class ParallelModel:
         """The mean loss over all data-parallel replicas (each rank holding the last stage adds
         its micro-batches' mean; the dp·tp of them divide)."""
         st = self.plan.strategy
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=local_device())  # NCCL: device tensors
         for loss in losses:
-            total += loss.double()
+            total += loss.detach().double()
         mean = total / max(1, len(losses))
         dist.all_reduce(mean)  # SUM: gloo has no AVG
         return float(mean) / (st.dp * st.tp)

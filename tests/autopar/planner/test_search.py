@@ -295,3 +295,20 @@ def test_plan_cli_table_and_constraints(capsys) -> None:
         main(["plan", "gpt2-medium", "--cluster", "dgx-h100", "--global-batch", "64", "--recompute", "x"])
         == 2
     )
+
+
+def test_a_stage_names_its_chunks() -> None:
+    from autopar.plan import StagePlan
+
+    def stage(layers: list[str]) -> StagePlan:
+        return StagePlan(
+            index=0, layers=tuple(layers), recompute=(), peak_bytes=1.0, time_per_micro_batch_s=1.0
+        )
+
+    one = stage(["embed", "blocks.0", "blocks.1"])
+    assert one.chunks == [("embed", "blocks.0", "blocks.1")] and one.layers_summary == "embed … blocks.1 (3)"
+    two = stage(["blocks.2", "blocks.3", "blocks.6", "blocks.7", "head"])  # interleaved, v = 2
+    assert two.chunks == [("blocks.2", "blocks.3"), ("blocks.6", "blocks.7", "head")]
+    assert two.layers_summary == "blocks.2 … blocks.3 | blocks.6 … head (5)"
+    many = stage([f"blocks.{i}" for c in range(4) for i in (4 * c, 4 * c + 1)])
+    assert many.layers_summary == "4 chunks: blocks.0 … blocks.1 | … | blocks.12 … blocks.13 (8)"
