@@ -48,6 +48,10 @@ def llama(
     return LlamaForCausalLM(cfg)
 
 
+NODROP = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+"""GPT-2-style configs' dropout, off."""
+
+
 def _dense(*, layers: int, width: int, heads: int, vocab: int, seq: int) -> dict[str, int]:
     """The config keys most decoder families share (Llama's names)."""
     return dict(
@@ -68,10 +72,9 @@ def _family_table(
     softcapping, BLOOM's ALiBi)."""
     dense = _dense(layers=layers, width=width, heads=heads, vocab=vocab, seq=seq)
     gqa = {**dense, "num_key_value_heads": max(1, heads // 2), "intermediate_size": 2 * width}
-    gpt = dict(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=seq)
-    nodrop = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    gpt = dict(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=seq, **NODROP)
     return {
-        "gpt2": ("GPT2Config", "GPT2LMHeadModel", {**gpt, **nodrop, "bos_token_id": 0, "eos_token_id": 0}),
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel", {**gpt, "bos_token_id": 0, "eos_token_id": 0}),
         "llama": ("LlamaConfig", "LlamaForCausalLM", gqa),
         "llama-eager": ("LlamaConfig", "LlamaForCausalLM", {**gqa, "attn_implementation": "eager"}),
         "mistral": ("MistralConfig", "MistralForCausalLM", {**gqa, "sliding_window": seq // 4}),
@@ -112,14 +115,21 @@ def _family_table(
         "gpt-bigcode": (  # StarCoder: multi-query attention behind one fused projection
             "GPTBigCodeConfig",
             "GPTBigCodeForCausalLM",
-            {**gpt, **nodrop, "multi_query": True, "bos_token_id": 0, "eos_token_id": 0},
+            {**gpt, "multi_query": True, "bos_token_id": 0, "eos_token_id": 0},
         ),
         "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**gqa, "pad_token_id": 0, "eos_token_id": 0}),
         "stablelm": ("StableLmConfig", "StableLmForCausalLM", gqa),
         "phi": ("PhiConfig", "PhiForCausalLM", {**dense, "intermediate_size": 2 * width}),
-        "gptj": ("GPTJConfig", "GPTJForCausalLM", {**gpt, **nodrop, "rotary_dim": width // heads // 2}),
-        # Routed experts (top-2 of 4), run by Hugging Face's grouped experts (torch._grouped_mm):
-        # dropless, static shapes; Qwen2-MoE adds a gated shared expert.
+        "gptj": ("GPTJConfig", "GPTJForCausalLM", {**gpt, "rotary_dim": width // heads // 2}),
+        **_moe_families(gqa, width),
+    }
+
+
+def _moe_families(gqa: dict[str, Any], width: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """The mixture-of-experts families: routed experts (top-2 of 4), run by Hugging Face's
+    grouped experts (``torch._grouped_mm``): dropless, static shapes; Qwen2-MoE adds a gated
+    shared expert."""
+    return {
         "mixtral": (
             "MixtralConfig",
             "MixtralForCausalLM",
