@@ -8,6 +8,7 @@ and non-empty, batch divisible, memory fits, …).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import re
@@ -105,7 +106,7 @@ class Plan:
         """JSON-ready dict; ``Plan.from_dict(p.to_dict()) == p``."""
         return {
             "model": self.model,
-            "cluster": self.cluster,
+            "cluster": copy.deepcopy(self.cluster),
             "strategy": self.strategy.to_dict(),
             "mesh": [list(a) for a in self.mesh],
             "crosses_nodes": list(self.crosses_nodes),
@@ -120,11 +121,11 @@ class Plan:
                 }
                 for s in self.stages
             ],
-            "predicted": self.predicted,
+            "predicted": copy.deepcopy(self.predicted),  # a copy: the Plan stays as it was
             "solve_time_s": self.solve_time_s,
             "optimality_gap": self.optimality_gap,
             "tensor_parallel": [[ltype, [list(op) for op in ops]] for ltype, ops in self.tensor_parallel],
-            "why": self.why,
+            "why": copy.deepcopy(self.why),
         }
 
     @classmethod

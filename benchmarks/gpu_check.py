@@ -250,13 +250,13 @@ def main() -> int:
     )
     parser.add_argument("--small", action="store_true", help="the reduced model (CI, CPU)")
     parser.add_argument(
-        "--steps", type=int, default=None, help="timed steps per plan (default 10, --small 2)"
+        "--steps", type=int, default=None, help="timed steps per plan (default 10, --small 4)"
     )
     parser.add_argument("--json", default=None, help="write every figure to this file")
     args = parser.parse_args()
     os.environ["AUTOPAR_GPU_CHECK_SIZE"] = name = "small" if args.small else "gpu"
-    steps = args.steps or (2 if args.small else 10)
-    warmup = 1 if args.small else 3
+    steps = args.steps or (4 if args.small else 10)
+    warmup = 2 if args.small else 3
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device is visible; run with --device cpu", file=sys.stderr)
         return 2

@@ -34,6 +34,9 @@ COLOURS = {
 }
 """One colour per term, the same in every figure (Vega's category10 order)."""
 
+RASTER_ABOVE = 4000
+"""Timeline segments beyond which the bars are rasterised (embedded in the SVG as a PNG): a
+16-stage interleaved plan with 192 micro-batches has ~50 000 of them, 6 MB as vector paths."""
 MEMORY_TERMS = ("weights", "gradients", "optimizer", "activations", "loss", "comm_buffers", "reserve")
 TIMELINE_KINDS = ("forward", "tp_comm", "recompute", "backward", "dp_comm", "optimizer")
 
@@ -58,6 +61,7 @@ def timeline_figure(plan: Plan, events: list[Event]) -> Any:
     fig, ax = plt.subplots(figsize=(11, 0.6 * p + 1.6), layout="constrained")
     end = max(e.end_s for e in events)
     scale, unit = _time_unit(end)
+    dense = len(events) > RASTER_ABOVE  # drawn as an image inside the SVG: megabytes of rectangles else
     for rank in range(p):
         ax.broken_barh([(0.0, end * scale)], (rank - 0.4, 0.8), facecolors=COLOURS["bubble"], linewidth=0)
     for kind in (*TIMELINE_KINDS, "p2p"):
@@ -69,8 +73,10 @@ def timeline_figure(plan: Plan, events: list[Event]) -> Any:
                 if e.kind == kind and e.rank == rank
             ]
             if spans:
-                ax.broken_barh(spans, (rank + offset, height), facecolors=COLOURS[kind], linewidth=0)
-    if plan.strategy.micro_batches * plan.strategy.virtual_stages <= 16:
+                ax.broken_barh(
+                    spans, (rank + offset, height), facecolors=COLOURS[kind], linewidth=0, rasterized=dense
+                )
+    if sum(1 for e in events if e.kind == "forward" and e.rank == 0) <= 16:  # room for the numbers
         for e in events:
             if e.kind in ("forward", "backward"):
                 ax.text(

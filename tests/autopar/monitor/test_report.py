@@ -169,3 +169,17 @@ def test_an_old_plan_or_a_bad_file_is_one_line(plan: Plan, tmp_path: Path, capsy
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
     assert not (tmp_path / "a.html").exists()
+
+
+def test_a_long_timeline_is_drawn_as_an_image_inside_its_svg(plan: Plan) -> None:
+    """Past ``RASTER_ABOVE`` segments the bars are rasterised: one embedded PNG, not thousands of
+    paths (a 16-stage plan of 192 micro-batches is 6 MB of vector paths)."""
+    from autopar.cost_models.timeline import simulate, stage_times_from_dicts
+    from autopar.monitor import figures
+    from autopar.strategy import Strategy
+
+    times = stage_times_from_dicts(plan.predicted["stage_times"])
+    events = simulate(Strategy(pp=2, dp=1, global_batch=1024, micro_batch=1, seq=64), times, 1e-4)
+    assert len(events) > figures.RASTER_ABOVE
+    svg, _ = figures.render(figures.timeline_figure(plan, events), "timeline", with_png=False)
+    assert svg.count("<image") == 1 and len(svg) < 500_000

@@ -140,6 +140,9 @@ def test_plan_round_trips_and_validates(profile_at, tmp_path) -> None:
     assert Plan.from_json(plan.to_json()).hash == plan.hash
     assert Plan.from_json(plan.to_json()).why == plan.why and "baselines" in plan.why
     assert plan.hash == replace(plan, why={}).hash  # evidence, not a decision
+    edited = plan.to_dict()
+    edited["predicted"]["step_time_s"], edited["why"]["baselines"] = 0.0, {}
+    assert plan.predicted["step_time_s"] > 0 and plan.why["baselines"]  # to_dict hands out copies
     for what in {w for _, _, w in told}:  # each phase counts up to its total
         done = [d for d, _, w in told if w == what]
         total = {t for _, t, w in told if w == what}
