@@ -131,6 +131,29 @@ def _conversion(have: str, need: str, group: str, rank: int, t: int) -> tuple[An
     raise AssertionError(f"no conversion {have} → {need}: the chooser forbids it")
 
 
+def written_later(graph: fx.Graph) -> set[str]:
+    """Nodes whose tensor an in-place operator writes (directly or through views of it, read off
+    each operator's schema: a written first argument, views returning an alias of theirs)."""
+    out: set[str] = set()
+    for n in graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if n.op != "call_function" or schema is None or not schema.arguments:
+            continue
+        alias = schema.arguments[0].alias_info
+        if alias is None or not alias.is_write:
+            continue
+        dest = n.args[0]
+        while isinstance(dest, fx.Node) and dest.name not in out:
+            out.add(dest.name)
+            view = getattr(dest.target, "_schema", None)
+            if dest.op != "call_function" or view is None or not view.returns or not dest.args:
+                break
+            if view.returns[0].alias_info is None:
+                break
+            dest = dest.args[0]
+    return out
+
+
 def _copy_meta(dst: fx.Node, src: fx.Node) -> None:
     """``dst`` has ``src``'s global shape and value metadata."""
     dst.meta.update({k: src.meta[k] for k in ("val", "autopar.shape") if k in src.meta})
@@ -146,6 +169,7 @@ class _Rewrite:
         self.out_of = {name: s.out for name, s in chosen.items()}
         self.converted: dict[tuple[str, str], fx.Node] = {}
         self.partial_grads: set[str] = set()  # replicated parameters applied to token shards
+        self.written = written_later(gm.graph)
 
     def convert(self, consumer: fx.Node, src: fx.Node, need: str) -> None:
         """Feed ``consumer`` the tensor ``src`` in placement ``need``: one conversion per (tensor,
@@ -156,6 +180,13 @@ class _Rewrite:
             return
         if consumer.target is operator.getitem and isinstance(src.meta.get("val"), (list, tuple)):
             self.convert_element(consumer, conv, need)
+            return
+        if src.name in self.written:  # filled in place later (DeepSeek-V3's q = new_empty, then copy_
+            fn, extra = conv  # into its slices): converted where it is read, after the writes
+            with self.graph.inserting_before(consumer):
+                here = self.graph.call_function(fn, (src, *extra))
+            _copy_meta(here, src)
+            consumer.replace_input_with(src, here)
             return
         new = self.converted.get((src.name, need))
         if new is None:

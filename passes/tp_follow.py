@@ -151,11 +151,13 @@ def _feature_source(node: fx.Node) -> fx.Node | None:
 
 
 def _splits_fused_linear(node: fx.Node) -> bool:
-    """``linear → split`` along the output features (fused QKV): each chunk can be column-sharded
-    when the weight is sharded chunk-wise (``_StridedShard``), as Megatron lays out fused QKV."""
+    """``linear → split`` into equal chunks along the output features (fused QKV): each chunk can
+    be column-sharded when the weight is sharded chunk-wise (``_StridedShard``), as Megatron lays
+    out fused QKV. Unequal sizes (DeepSeek-V3's [kv_lora_rank, rope dims]) are not: the chunks
+    ``fused_chunks`` counts are equal, so such a split needs its input whole."""
     src = node.args[0]
     return (
-        node.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+        node.target in (aten.split.Tensor, aten.chunk.default)
         and isinstance(src, fx.Node)
         and _feature_source(src) is not None
     )

@@ -148,10 +148,11 @@ def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
 def _linear_strategies(node: fx.Node, shape: tuple[int, ...], t: int) -> list[OpStrategy]:
     """Column- and row-parallel ways to run a linear-kind node (Megatron's split of an MLP)."""
     found: list[OpStrategy] = []
-    _, w, _, transposed = linear_parts(node)
+    _, w, b, transposed = linear_parts(node)
     wshape = shape_of(w) if isinstance(w, fx.Node) else None
-    if wshape is None:
-        return found
+    reads = [x for x in (w, b) if isinstance(x, fx.Node)]
+    if wshape is None or any(x.op != "get_attr" for x in reads):
+        return found  # a weight computed first (DeepSeek-V3's router: ``weight.float()``): replicated
     out_dim, in_dim = (1, 0) if transposed else (0, 1)  # weight dims of output / input features
     if wshape[out_dim] % t == 0:  # column: output features split, input replicated (grad all-reduced)
         found.append(

@@ -127,9 +127,35 @@ def _family_table(
 
 def _moe_families(gqa: dict[str, Any], width: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
     """The mixture-of-experts families: routed experts (top-2 of 4), run by Hugging Face's
-    grouped experts (``torch._grouped_mm``): dropless, static shapes; Qwen2-MoE adds a gated
-    shared expert."""
+    grouped experts (``torch._grouped_mm``): dropless, static shapes. Qwen2-MoE adds a gated
+    shared expert; DeepSeek-V3 multi-head latent attention and group-limited routing."""
+    experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": width // 2}
+    mla = {
+        "q_lora_rank": width // 2,
+        "kv_lora_rank": width // 4,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+    }
     return {
+        "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**gqa, **experts, "head_dim": 16}),
+        "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {**gqa, **experts}),
+        "deepseek-v3": (  # MLA, one shared expert, group-limited routing (2 groups, top-1 group)
+            "DeepseekV3Config",
+            "DeepseekV3ForCausalLM",
+            {
+                **gqa,
+                **mla,
+                "num_key_value_heads": gqa["num_attention_heads"],
+                "v_head_dim": 16,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_shared_experts": 1,
+                "n_group": 2,
+                "topk_group": 1,
+                "first_k_dense_replace": 0,
+                "moe_intermediate_size": width // 2,
+            },
+        ),
         "mixtral": (
             "MixtralConfig",
             "MixtralForCausalLM",
@@ -152,10 +178,10 @@ def _moe_families(gqa: dict[str, Any], width: int) -> dict[str, tuple[str, str, 
 FAMILIES = (
     "gpt2", "llama", "llama-eager", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "falcon",
     "falcon-40b", "gpt-neox", "bloom", "opt", "gpt-bigcode", "olmo2", "stablelm", "phi", "gptj",
-    "mixtral", "qwen2-moe",
+    "mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3",
 )  # fmt: skip
 """The causal-LM families ``family`` builds (the suite runs each through capture, DP, TP and PP)."""
-NO_FLOAT64 = ("mixtral", "qwen2-moe")
+NO_FLOAT64 = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3")
 """Families with no float64 forward (``torch._grouped_mm`` takes float32 and half precision):
 their checks run in float32."""
 

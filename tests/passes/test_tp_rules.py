@@ -130,3 +130,33 @@ def test_fused_gate_up_chunk_is_column_sharded_chunk_wise() -> None:
     (chunk,) = [n for n in nodes if n.target == torch.ops.aten.chunk.default]
     assert fused_chunks(chunk.args[0]) == 2  # gate | up: _StridedShard(0, split_factor=2)
     assert "S2" in {s.out for s in strategies(chunk, 2)}
+
+
+def _deepseek_attention_nodes():
+    from autopar.zoo import hf
+
+    with torch.device("meta"):
+        model = hf.family("deepseek-v3", seq=16)
+    cap = capture(model, batch=2, seq=16)
+    return cap.gm, layer_nodes(cap.gm, 1)
+
+
+def test_what_deepseek_v3s_attention_may_not_split() -> None:
+    """Three forms of DeepSeek-V3 (Hugging Face, unmodified) that the rules once split wrongly: its
+    router reads ``weight.float()`` (a computed weight: no column/row); ``kv_a_proj`` output is cut
+    into unequal [kv_lora_rank, rope] pieces (not followed column-wise); its query is a
+    ``new_empty`` filled by ``copy_`` into slices (``written_later``: converted where read)."""
+    from autopar.passes.tensor_parallel import written_later
+
+    gm, nodes = _deepseek_attention_nodes()
+    linears = [n for n in nodes if n.target is torch.ops.aten.linear.default]
+    computed = [n for n in linears if n.args[1].op != "get_attr"]
+    assert computed and all({s.name for s in strategies(n, 2)} == {"replicate"} for n in computed)
+    splits = [n for n in nodes if n.target is torch.ops.aten.split_with_sizes.default]
+    unequal = next(n for n in splits if len(set(n.args[1])) > 1)  # [kv_lora_rank 16, rope 8]
+    cut = f"S{len(unequal.args[0].meta['autopar.shape']) - 1}"
+    assert all(cut not in s.inputs for s in strategies(unequal, 2))
+    filled = [n for n in nodes if n.target is torch.ops.aten.new_empty.default]
+    written = written_later(gm.graph)
+    assert filled and all(n.name in written for n in filled)
+    assert not any(n.target is torch.ops.aten.linear.default for n in nodes if n.name in written)

@@ -31,12 +31,13 @@ nanogpt = functools.partial(build_model, f"{Path(__file__).with_name('nanogpt.py
 STEPS, BATCH, SEQ = 2, 4, 16
 
 SWEPT = tuple(
-    f for f in hf.FAMILIES if f not in ("llama", "qwen2", "stablelm", "phi", "gptj")
+    f for f in hf.FAMILIES if f not in ("llama", "qwen2", "stablelm", "phi", "gptj", "qwen3-moe", "olmoe")
 )  # fmt: skip
-"""The families trained here: 14 configurations of 13 families, every attention form the zoo
-has, and routed experts (Mixtral, Qwen2-MoE: judged in float32, ``hf.NO_FLOAT64``); the five left
-out repeat Llama's or GPT-J's forms (Llama with SDPA and GPT-2 are trained under TP and PP in
-``passes/test_tensor_parallel.py`` and ``test_pipeline.py``). All 21 are captured."""
+"""The families trained here: 17 configurations of 16 families, every attention form the zoo
+has, and routed experts (Mixtral, Qwen2-MoE, DeepSeek-V3's latent attention: judged in float32,
+``hf.NO_FLOAT64``); the seven left out repeat Llama's, GPT-J's or Qwen2-MoE's forms (Llama with
+SDPA and GPT-2 are trained under TP and PP in ``passes/test_tensor_parallel.py`` and
+``test_pipeline.py``). All 24 are captured."""
 
 PLANS = {
     "dp2-zero3": dict(tp=1, pp=1, dp=2, zero=3),
@@ -46,7 +47,10 @@ PLANS = {
 
 KINDS = {
     "tp2": (*SWEPT, "nanogpt"),
-    "pp2": ("gpt2", "llama-eager", "gemma2", "falcon", "bloom", "gpt-bigcode", "olmo2", "mixtral", "nanogpt"),
+    "pp2": (
+        *("gpt2", "llama-eager", "gemma2", "falcon", "bloom", "gpt-bigcode", "olmo2", "mixtral"),
+        *("deepseek-v3", "nanogpt"),
+    ),
     "dp2-zero3": ("gpt2", "gemma", "phi3", "opt", "nanogpt"),
 }
 """Which families each plan runs: TP2 every one (each attention form is split differently); PP2
