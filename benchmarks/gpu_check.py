@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 import autopar
+from autopar.monitor import peak_memory_bytes
 from autopar.strategy import Strategy
 from autopar.zoo import GPT, GPTConfig
 
@@ -145,14 +146,6 @@ def profile_vs_analytic(spec: str, cluster: autopar.Cluster, device: str) -> tup
     return measured, rows
 
 
-def peak_bytes(device: str) -> float:
-    if device == "cuda":
-        return float(torch.cuda.max_memory_allocated())
-    from autopar.monitor import peak_memory_bytes
-
-    return peak_memory_bytes()
-
-
 def tokens(steps: int) -> torch.Tensor:
     sz = size()
     shape = (steps, sz["global_batch"], sz["cfg"].block_size)
@@ -186,7 +179,7 @@ def world_one_plans(
                 "step_s": statistics.median(times[warmup:]),
                 "predicted_step_s": plan.predicted["step_time_s"],
                 "profiled_step_s": profiled.predicted["step_time_s"],
-                "peak_bytes": peak_bytes(device),
+                "peak_bytes": peak_memory_bytes(),
                 "predicted_peak_bytes": plan.stages[0].peak_bytes,
             }
         )

@@ -169,7 +169,7 @@ def estimate(
         stage_layers=tuple(tuple(names) for names in stage_layer_names(profile, st)),
         notes=tuple(notes),
         compute_basis=compute_basis(cluster, st.dtype),
-        stage_times=stage_times(terms, counts),
+        stage_times=stage_times(terms, counts, loads),
         p2p_hop_s=terms.p2p_s / (2 * st.virtual_stages),  # p2p_s: 2v sends per micro-batch
     )
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from autopar.cost_models.terms import Terms, dp_exposed_s, rank_load, rank_units
+from autopar.cost_models.terms import RankLoad, Terms, dp_exposed_s, rank_units
 from autopar.strategy import Strategy
 
 
@@ -72,12 +72,14 @@ class Event:
     end_s: float
 
 
-def stage_times(terms: Terms, counts: list[tuple[int, int, int]]) -> tuple[StageTime, ...]:
-    """Each pipeline rank's terms for ``counts`` (none, selective, full) blocks per rank."""
+def stage_times(
+    terms: Terms, counts: list[tuple[int, int, int]], loads: list[RankLoad]
+) -> tuple[StageTime, ...]:
+    """Each pipeline rank's terms for ``counts`` (none, selective, full) blocks per rank, whose
+    sums ``loads`` (``terms.rank_load``) the estimate already holds."""
     out = []
-    for k, c in enumerate(counts):
+    for k, (c, load) in enumerate(zip(counts, loads, strict=True)):
         units = rank_units(terms, k, c)
-        load = rank_load(terms, k, c)
         tp_forward = sum(n * u.tp_s / (3 if r == "full" else 2) for r, u, n in units)
         out.append(
             StageTime(

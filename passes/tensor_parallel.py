@@ -181,20 +181,17 @@ class _Rewrite:
         if consumer.target is operator.getitem and isinstance(src.meta.get("val"), (list, tuple)):
             self.convert_element(consumer, conv, need)
             return
-        if src.name in self.written:  # filled in place later (DeepSeek-V3's q = new_empty, then copy_
-            fn, extra = conv  # into its slices): converted where it is read, after the writes
-            with self.graph.inserting_before(consumer):
-                here = self.graph.call_function(fn, (src, *extra))
-            _copy_meta(here, src)
-            consumer.replace_input_with(src, here)
-            return
-        new = self.converted.get((src.name, need))
+        # A tensor filled in place later (DeepSeek-V3's query: new_empty, then copy_ into its
+        # slices) is converted where it is read, after the writes, once per reader.
+        written = src.name in self.written
+        new = None if written else self.converted.get((src.name, need))
         if new is None:
             fn, extra = conv
-            with self.graph.inserting_after(src):
+            with self.graph.inserting_before(consumer) if written else self.graph.inserting_after(src):
                 new = self.graph.call_function(fn, (src, *extra))
             _copy_meta(new, src)
-            self.converted[src.name, need] = new
+            if not written:
+                self.converted[src.name, need] = new
         consumer.replace_input_with(src, new)
 
     def convert_element(self, item: fx.Node, conv: tuple[Any, tuple[Any, ...]], need: str) -> None:

@@ -23,13 +23,13 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """Half-precision arithmetic → the autocast dtype of its reference."""
 
 
-def arithmetic_of(dtype: str, model: str = "float64") -> str:
+def arithmetic_of(dtype: str, in_float64: str = "float64") -> str:
     """What a plan of ``dtype`` is checked in: fp32 (and fp64) plans in float64 (in float32 for a
-    model that does not run in float64: ``model``, its ``float64_arithmetic``), half-precision
-    ones in their own dtype."""
+    model that does not run in float64: ``in_float64``, the model's ``float64_arithmetic``),
+    half-precision ones in their own dtype."""
     if dtype not in ("fp32", "fp64"):
         return dtype
-    return "float32" if model == "float32" else "float64"
+    return "float32" if in_float64 == "float32" else "float64"
 
 
 def in_eval_mode(make_model: Callable[[], nn.Module]) -> nn.Module:

@@ -51,7 +51,7 @@ def make_plan(
     pricer = Pricer(
         profiles, request.cluster, dtype=request.dtype, reserve_bytes=request.constraints.reserve_bytes
     )
-    res = search(request, pricer, progress) if progress is not None else search(request, pricer)
+    res = search(request, pricer, progress)
     if not res.found:
         raise _infeasible(request, res.leanest, blocks=base.blocks, heads=base.heads)
     best = replace(res.found[0], gap=res.gap)

@@ -223,7 +223,7 @@ def _quiet(done: int, total: int, what: str) -> None:
     """The default ``Progress``: nobody is told."""
 
 
-def search(request: PlanRequest, pricer: Pricer, progress: Progress = _quiet) -> SearchResult:
+def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = None) -> SearchResult:
     """Branch and bound over outer strategies: the optimum first, then the best ``top_k``
     runners-up met on the way (the search stops once no bound can beat the optimum).
 
@@ -232,6 +232,7 @@ def search(request: PlanRequest, pricer: Pricer, progress: Progress = _quiet) ->
     reports the (peak memory, strategy) of the leanest layouts tried.
     """
     start = time.perf_counter()
+    progress = progress or _quiet
     c, base = request.constraints, pricer.profiles.base
     capacity = request.capacity_bytes
     strategies = outer_strategies(request, blocks=base.blocks, heads=base.heads)

@@ -17,6 +17,7 @@ min(1, max_norm / (‖g‖ + 1e-6)), torch's rule.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,21 +39,26 @@ def _copies(grad: torch.Tensor, stage_ranks: int) -> int:
     return replicated * stage_ranks // mesh.size()
 
 
+def _with_grads(stages: list[nn.Module]) -> Iterator[nn.Parameter]:
+    """Each parameter of ``stages`` that has a gradient, once (a rank's chunks may share one)."""
+    seen: set[int] = set()
+    for stage in stages:
+        for p in stage.parameters():
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                yield p
+
+
 def grad_norm(stages: list[nn.Module], tied: list[Any], *, stage_ranks: int) -> float:
     """The L2 norm of every parameter's gradient of the whole model (collective: one scalar
     all-reduce). ``tied``: the rank's ``TiedGroup``s; ``stage_ranks``: dp · tp."""
     shared = {id(p): dist.get_world_size(t.group) for t in tied for p in t.params}
     total = torch.zeros((), dtype=torch.float64, device=local_device())  # NCCL: device tensors
-    seen: set[int] = set()
-    for stage in stages:
-        for p in stage.parameters():
-            if p.grad is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            g = p.grad
-            local = g.to_local() if hasattr(g, "to_local") else g
-            copies = _copies(g, stage_ranks) * shared.get(id(p), 1)
-            total += local.detach().double().pow(2).sum() / copies
+    for p in _with_grads(stages):
+        g = p.grad
+        assert g is not None
+        local = g.to_local() if hasattr(g, "to_local") else g
+        total += local.detach().double().pow(2).sum() / (_copies(g, stage_ranks) * shared.get(id(p), 1))
     dist.all_reduce(total)
     return math.sqrt(float(total))
 
@@ -60,14 +66,10 @@ def grad_norm(stages: list[nn.Module], tied: list[Any], *, stage_ranks: int) -> 
 def clip_grads_(stages: list[nn.Module], max_norm: float, norm: float) -> None:
     """Scale every gradient by min(1, max_norm / (norm + 1e-6))."""
     coef = min(1.0, max_norm / (norm + 1e-6))
-    if coef == 1.0:
-        return
-    seen: set[int] = set()
-    for stage in stages:
-        for p in stage.parameters():
-            if p.grad is not None and id(p) not in seen:
-                seen.add(id(p))
-                p.grad.mul_(coef)
+    if coef < 1.0:
+        for p in _with_grads(stages):
+            assert p.grad is not None
+            p.grad.mul_(coef)
 
 
 __all__ = ["clip_grads_", "grad_norm"]
