@@ -28,7 +28,8 @@ class StagePlan:
     layers: tuple[str, ...]
     """Layer names in execution order (the embedding on the first, the head on the last)."""
     recompute: tuple[tuple[str, str], ...]
-    """(block name, none | selective | full) for every block of the stage."""
+    """(block name, recompute choice) for every block of the stage: none, selective, full or a
+    per-operator policy of the strategy (``Strategy.policies``)."""
     peak_bytes: float
     """Predicted peak memory per GPU."""
     time_per_micro_batch_s: float
@@ -62,9 +63,11 @@ class StagePlan:
 
     @property
     def recompute_summary(self) -> str:
-        """E.g. ``"14 none, 5 full"`` (``"-"`` for a stage without blocks)."""
-        counts = {c: sum(1 for _, r in self.recompute if r == c) for c in ("none", "selective", "full")}
-        return ", ".join(f"{n} {c}" for c, n in counts.items() if n) or "-"
+        """E.g. ``"14 none, 5 sac2"`` (``"-"`` for a stage without blocks), in block order."""
+        counts: dict[str, int] = {}
+        for _, r in self.recompute:
+            counts[r] = counts.get(r, 0) + 1
+        return ", ".join(f"{n} {c}" for c, n in counts.items()) or "-"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +102,7 @@ class Plan:
 
     @property
     def recompute(self) -> dict[str, str]:
-        """Every block of every stage → its recompute choice (none | selective | full)."""
+        """Every block of every stage → its recompute choice (none, selective, full, a policy)."""
         return {name: choice for s in self.stages for name, choice in s.recompute}
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,9 +223,28 @@ class Plan:
         for s in self.stages:
             rc = s.recompute_summary
             lines.append(f"stage {s.index}: {s.layers_summary[:-1]} layers; recompute {rc})")
+        lines.extend(_policy_lines(st, self.predicted, set(self.recompute.values())))
         for ltype, ops in self.tensor_parallel:
             lines.append(f"tensor parallel {ltype}: " + (", ".join(_tp_summary(ops)) or "all replicated"))
         return "\n".join(lines)
+
+
+def _policy_lines(st: Strategy, predicted: dict[str, Any], used: set[str]) -> list[str]:
+    """One line per per-operator policy the stages use: what it keeps, and its predicted bytes
+    kept and recompute time per block and micro-batch (``predicted["recompute_choices"]``)."""
+    priced = predicted.get("recompute_choices", {})
+    lines = []
+    for p in st.policies:
+        if p.name not in used:
+            continue
+        line = f"recompute {p.name}: {p.summary}"
+        cost, none, full = priced.get(p.name), priced.get("none"), priced.get("full")
+        if cost and none and full:
+            mib = (c["act_bytes"] / 2**20 for c in (cost, none, full))
+            line += "; per block {:,.1f} MiB kept (none {:,.1f}, full {:,.1f})".format(*mib)
+            line += f", {cost['recompute_s'] * 1e3:,.2f} ms redone (full {full['recompute_s'] * 1e3:,.2f})"
+        lines.append(line)
+    return lines
 
 
 def _tp_summary(ops: tuple[tuple[str, str, str], ...]) -> list[str]:
@@ -246,4 +268,4 @@ def validate_plan(plan: Plan, *, world_size: int, blocks: int, capacity_bytes: f
     if st.virtual_stages == 1:
         assert names == sorted(names, key=names.index), "contiguous"
     assert all(s.peak_bytes <= capacity_bytes for s in plan.stages), "memory fits"
-    assert {r for s in plan.stages for _, r in s.recompute} <= {"none", "selective", "full"}
+    assert {r for s in plan.stages for _, r in s.recompute} <= set(st.choices), "known recompute choices"

@@ -10,7 +10,7 @@ from torch import nn
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
-from autopar.strategy import DTYPES, RECOMPUTE, SCHEDULES, TP_OBJECTIVES
+from autopar.strategy import ALLOWED_RECOMPUTE, DTYPES, SCHEDULES, TP_OBJECTIVES, is_recompute_name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,8 +36,9 @@ class Constraints:
     tp_objective: str | None = None
     """Fix what the per-operator TP choice minimises: ``time`` or ``memory`` (None: both are
     priced where their layouts differ)."""
-    recompute: tuple[str, ...] = RECOMPUTE
-    """Recompute choices allowed per block."""
+    recompute: tuple[str, ...] = ALLOWED_RECOMPUTE
+    """Recompute choices allowed per block: none, selective, full, ``sac`` (every per-operator
+    policy the planner finds for the model) or single policies (``sac2``)."""
     memory_cap_bytes: float | None = None
     """Plan for at most this much memory per GPU (below the device's)."""
     max_micro_batch: int = 16
@@ -56,9 +57,10 @@ class Constraints:
             raise AutoparError(f"memory_cap_bytes must be positive, got {self.memory_cap_bytes!r}")
         if self.reserve_bytes is not None and not self.reserve_bytes >= 0:
             raise AutoparError(f"reserve_bytes must be non-negative, got {self.reserve_bytes!r}")
-        if not self.recompute or any(r not in RECOMPUTE for r in self.recompute):
+        if not self.recompute or not all(isinstance(r, str) and is_recompute_name(r) for r in self.recompute):
             raise AutoparError(
-                f"recompute takes a non-empty subset of {', '.join(RECOMPUTE)}, got {self.recompute!r}"
+                f"recompute takes a non-empty subset of {', '.join(ALLOWED_RECOMPUTE)} or policy names "
+                f"(sac1, sac2, …), got {self.recompute!r}"
             )
 
 

@@ -6,6 +6,8 @@ line why a strategy is impossible for a model on a cluster.
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -13,6 +15,21 @@ from autopar.errors import AutoparError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
+"""The recompute choices every model has; a strategy adds its per-operator policies after them."""
+SAC = "sac"
+"""Constraint name of every per-operator policy (``RecomputePolicy``) of a model: sac1, sac2, …"""
+ALLOWED_RECOMPUTE = ("none", "selective", SAC, "full")
+"""What the planner may choose per block by default: every choice and every policy."""
+_POLICY_NAME = re.compile(r"sac[1-9][0-9]*")
+_CALL_KEY = re.compile(r".+#[0-9]+")
+
+
+def is_recompute_name(name: str) -> bool:
+    """A name a recompute constraint may hold: none, selective, full, ``sac`` (every
+    per-operator policy) or one policy (``sac1``, ``sac2``, …)."""
+    return name in ALLOWED_RECOMPUTE or bool(_POLICY_NAME.fullmatch(name))
+
+
 DTYPES = ("bf16", "fp16", "fp32")
 TP_OBJECTIVES = ("time", "memory")
 SHARDING = ("column", "row", "heads", "vocab")
@@ -22,6 +39,49 @@ follow their inputs): what plans show per module."""
 
 class StrategyError(AutoparError):
     """A strategy violates a constraint (the message names it)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputePolicy:
+    """Selective activation checkpointing of a block: the forward's ATen calls whose outputs are
+    kept for backward; every other call is recomputed in backward (from the block's input and
+    the kept outputs). The planner finds a few per model (``planner.recompute_ilp``), between
+    recomputing nothing and everything."""
+
+    name: str
+    """``sac1``, ``sac2``, … (fewest bytes kept first)."""
+    keep: tuple[str, ...]
+    """Kept calls as ``op#k``: the k-th call of operator ``op`` in one forward of the block
+    (``graph.dispatch``), e.g. ``mm#0``, ``sdpa#0``."""
+    calls: int
+    """Calls of the block a policy may keep (for the plan's text: how many it recomputes)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _POLICY_NAME.fullmatch(self.name):
+            raise StrategyError(f"a recompute policy is named sac1, sac2, …; got {self.name!r}")
+        bad = [k for k in self.keep if not isinstance(k, str) or not _CALL_KEY.fullmatch(k)]
+        if bad or len(set(self.keep)) != len(self.keep):
+            raise StrategyError(
+                f"policy {self.name}: kept calls must be distinct 'op#k' names, got {list(self.keep)!r}"
+            )
+        if not isinstance(self.calls, int) or self.calls < len(self.keep):
+            raise StrategyError(f"policy {self.name}: {self.calls!r} calls, fewer than it keeps")
+
+    @property
+    def summary(self) -> str:
+        """E.g. ``keep 5 mm, sdpa (6 of 31 calls)``: the rest are recomputed."""
+        kinds = Counter(k.rpartition("#")[0] for k in self.keep)
+        kept = ", ".join(f"{n} {op}" if n > 1 else op for op, n in kinds.most_common()) or "nothing"
+        return f"keep {kept} ({len(self.keep)} of {self.calls} calls)"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {"name": self.name, "keep": list(self.keep), "calls": self.calls}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RecomputePolicy:
+        """Inverse of ``to_dict``."""
+        return cls(name=d["name"], keep=tuple(d["keep"]), calls=d["calls"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +103,8 @@ class Strategy:
     seq: int = 2048
     """Sequence length (s)."""
     recompute: str = "none"
-    """Activation recomputation of every block: none, selective (attention core) or full."""
+    """Activation recomputation of every block (when there is no ``layout``): none, selective
+    (the attention core, Korthikanti et al. 2022), full, or one of ``policies`` by name."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b or interleaved."""
     virtual_stages: int = 1
@@ -56,10 +117,14 @@ class Strategy:
     """What the per-operator TP choice minimises (tp > 1): ``time``, the fastest layout, or
     ``memory``, the fastest of the leanest (e.g. a large embedding split by vocabulary where
     keeping it whole would save its collective)."""
-    layout: tuple[tuple[int, int, int], ...] = ()
-    """Blocks per pipeline rank as (no recompute, selective, full) counts, rank 0 first;
-    empty: an even split with ``recompute`` for every block. The embedding runs on rank 0,
-    the head on the last rank; with interleaving each rank's blocks form v equal chunks."""
+    layout: tuple[tuple[int, ...], ...] = ()
+    """Blocks per pipeline rank as counts per recompute choice (``choices``: none, selective,
+    full, then each policy), rank 0 first; empty: an even split with ``recompute`` for every
+    block. The embedding runs on rank 0, the head on the last rank; with interleaving each
+    rank's blocks form v equal chunks."""
+    policies: tuple[RecomputePolicy, ...] = ()
+    """The per-operator recompute policies this strategy may use (selective activation
+    checkpointing), after none, selective and full."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "seq", "virtual_stages"):
@@ -68,8 +133,11 @@ class Strategy:
                 raise StrategyError(f"{name} must be a positive integer, got {value!r}")
         if self.zero not in (0, 1, 2, 3):
             raise StrategyError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        names = [p.name for p in self.policies]
+        if len(set(names)) != len(names):
+            raise StrategyError(f"recompute policies must have distinct names, got {names}")
         for name, allowed in (
-            ("recompute", RECOMPUTE),
+            ("recompute", self.choices),
             ("schedule", SCHEDULES),
             ("tp_objective", TP_OBJECTIVES),
             ("dtype", DTYPES),
@@ -97,11 +165,16 @@ class Strategy:
             raise StrategyError("sequence parallel needs tp > 1")
         if self.layout and len(self.layout) != self.pp:
             raise StrategyError(f"layout has {len(self.layout)} stages but pp={self.pp}")
+        width = len(self.choices)
         for k, counts in enumerate(self.layout):
-            if len(counts) != 3 or any(not isinstance(c, int) or c < 0 for c in counts) or sum(counts) < 1:
+            if (
+                len(counts) != width
+                or any(not isinstance(c, int) or c < 0 for c in counts)
+                or sum(counts) < 1
+            ):
                 raise StrategyError(
-                    f"layout stage {k}: expected 3 non-negative block counts, at least one block; "
-                    f"got {counts!r}"
+                    f"layout stage {k}: expected {width} non-negative block counts "
+                    f"({', '.join(self.choices)}), at least one block; got {counts!r}"
                 )
 
     @classmethod
@@ -121,6 +194,15 @@ class Strategy:
         return cls(dp=dp, virtual_stages=virtual_stages, **knobs)
 
     @property
+    def choices(self) -> tuple[str, ...]:
+        """The recompute choices a layout counts: none, selective, full, then the policies."""
+        return RECOMPUTE + tuple(p.name for p in self.policies)
+
+    def policy(self, name: str) -> RecomputePolicy | None:
+        """The per-operator policy called ``name`` (None for none, selective and full)."""
+        return next((p for p in self.policies if p.name == name), None)
+
+    @property
     def world_size(self) -> int:
         """GPUs the strategy uses: tp · pp · dp."""
         return self.tp * self.pp * self.dp
@@ -130,20 +212,21 @@ class Strategy:
         """Micro-batches per pipeline per step: m = B / (dp · b)."""
         return self.global_batch // (self.dp * self.micro_batch)
 
-    def blocks_per_rank(self, blocks: int) -> list[tuple[int, int, int]]:
-        """(none, selective, full) block counts per rank: the layout, or an even split
-        (chunk c of p·v runs on rank c mod p) with ``recompute`` everywhere."""
+    def blocks_per_rank(self, blocks: int) -> list[tuple[int, ...]]:
+        """Block counts per rank by recompute choice (``choices``): the layout, or an even
+        split (chunk c of p·v runs on rank c mod p) with ``recompute`` everywhere."""
         if self.layout:
             return list(self.layout)
         chunks = even_split(blocks, self.pp * self.virtual_stages)
-        index = RECOMPUTE.index(self.recompute)
+        index = self.choices.index(self.recompute)
         totals = [sum(chunks[r :: self.pp]) for r in range(self.pp)]
-        return [(n if index == 0 else 0, n if index == 1 else 0, n if index == 2 else 0) for n in totals]
+        return [tuple(n if i == index else 0 for i in range(len(self.choices))) for n in totals]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
         d = asdict(self)
         d["layout"] = [list(c) for c in self.layout]
+        d["policies"] = [p.to_dict() for p in self.policies]
         return d
 
     @classmethod
@@ -155,7 +238,14 @@ class Strategy:
         if unknown:
             raise StrategyError(f"unknown plan field {unknown[0]!r}; expected {', '.join(sorted(known))}")
         d["layout"] = tuple(tuple(c) for c in d.get("layout", ()))
+        d["policies"] = tuple(RecomputePolicy.from_dict(p) for p in d.get("policies", ()))
         return cls(**d)
+
+
+def remat(choice: str) -> bool:
+    """Whether a recompute choice checkpoints the whole block (full, or a per-operator policy):
+    its forward runs again in backward, which holds one block's activations while it runs."""
+    return choice not in ("none", "selective")
 
 
 def even_split(blocks: int, chunks: int) -> list[int]:

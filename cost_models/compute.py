@@ -12,8 +12,12 @@ Backward ≈ 2× forward (Narayanan et al. SC'21, §3.5) unless measured.
 
 from __future__ import annotations
 
-from autopar.cluster import DeviceSpec
+from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models.profile import LayerCost
+from autopar.strategy import Strategy
+
+ADAM_BYTES_PER_PARAM = 30
+"""Adam step traffic: read fp32 master, m, v, grad (16 B); write master, m, v, 16-bit weight (14 B)."""
 
 
 def roofline_time_s(flops: float, mem_bytes: float, *, flops_per_s: float, bytes_per_s: float) -> float:
@@ -35,3 +39,17 @@ def layer_forward_s(
     for op in layer.ops:
         total += max(op.kernel_flops / tp / rate, op.mem_bytes * (share if op.stream else 1 / tp) / bw)
     return total
+
+
+def optimizer_s_per_param(cluster: Cluster, st: Strategy) -> float:
+    """Optimizer seconds per parameter a GPU updates: measured where the cluster has a compute
+    profile for this dtype (on DTensor parameters when the runtime makes them DTensors: under
+    TP, and under FSDP2 for ZeRO ≥ 2 or any data-parallel pipeline), else memory-bound Adam,
+    ADAM_BYTES_PER_PARAM / HBM bandwidth."""
+    measured = cluster.compute_profile
+    if measured is None or measured.dtype != st.dtype:
+        return ADAM_BYTES_PER_PARAM / cluster.device.hbm_bandwidth_bytes_per_s
+    dtensor = st.tp > 1 or (st.dp > 1 and (st.zero >= 2 or st.pp > 1))
+    if dtensor and measured.optimizer_dtensor_s_per_param is not None:
+        return measured.optimizer_dtensor_s_per_param
+    return measured.optimizer_s_per_param

@@ -101,6 +101,9 @@ class Estimate:
     compute_basis: str = ""
     """What compute was priced with: the device's peak × matmul efficiency (a preset's datasheet or
     stated assumption, or the user's YAML), or the cluster's measured compute profile."""
+    recompute_choices: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per recompute choice (``Strategy.choices``), what one block costs per micro-batch on one
+    GPU: ``act_bytes`` kept for backward and ``recompute_s`` redone in backward."""
 
     @property
     def fits(self) -> bool:
@@ -125,6 +128,7 @@ class Estimate:
             "compute_basis": self.compute_basis,
             "stage_times": [t.to_dict() for t in self.stage_times],
             "p2p_hop_s": self.p2p_hop_s,
+            "recompute_choices": {k: dict(v) for k, v in self.recompute_choices.items()},
         }
 
 
@@ -171,6 +175,9 @@ def estimate(
         compute_basis=compute_basis(cluster, st.dtype),
         stage_times=stage_times(terms, counts, loads),
         p2p_hop_s=terms.p2p_s / (2 * st.virtual_stages),  # p2p_s: 2v sends per micro-batch
+        recompute_choices={
+            r: {"act_bytes": u.act_bytes, "recompute_s": u.recompute_s} for r, u in terms.block.items()
+        },
     )
 
 
@@ -229,15 +236,13 @@ def _breakdown(terms: Terms, st: Strategy, loads: list[RankLoad]) -> dict[str, f
 
 
 def _step_flops(
-    profile: ModelProfile, terms: Terms, st: Strategy, counts: list[tuple[int, int, int]]
+    profile: ModelProfile, terms: Terms, st: Strategy, counts: list[tuple[int, ...]]
 ) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs: model + recomputed) of one step."""
     sequences_per_micro_batch = profile.micro_batch
     model_flops = profile.step_model_flops_per_sequence * st.global_batch
     recompute_flops = sum(
-        n * terms.block[r_].recompute_flops
-        for c in counts
-        for r_, n in zip(("none", "selective", "full"), c, strict=True)
+        n * terms.block[r_].recompute_flops for c in counts for r_, n in zip(st.choices, c, strict=True)
     )
     hardware_flops = model_flops + recompute_flops * st.global_batch / sequences_per_micro_batch
     return model_flops, hardware_flops

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from autopar.cost_models.profile import LayerCost
+from autopar.strategy import Strategy
 
 # Bytes per parameter (Rajbhandari et al. SC'20, §3.1, mixed-precision Adam):
 # 2 (16-bit weight) + 2 (16-bit gradient) + K = 12 (fp32 master weight, momentum, variance).
 # fp32 training: 4 + 4 + 8 (momentum, variance; the weights are the master copy).
 STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
+DDP_BUCKET_BYTES = 25 * 2**20
+"""DDP/FSDP gradient bucket (PyTorch default 25 MiB); two are in flight."""
 
 
 def model_state_bytes(params: float, *, zero: int, dp: int, dtype: str) -> dict[str, float]:
@@ -57,3 +60,32 @@ def inflight_stage_copies(schedule: str, *, stage: int, pp: int, micro_batches: 
         return float(min(pp - stage, micro_batches))
     warmup = min(2 * (pp - stage - 1) + (virtual - 1) * pp, micro_batches * virtual - 1)
     return (warmup + 1) / virtual
+
+
+def state_bytes_per_param(st: Strategy) -> float:
+    """Weights + gradients + optimizer bytes per parameter on a GPU after ZeRO sharding
+    (``model_state_bytes`` per parameter)."""
+    w, g, k = STATE_BYTES[st.dtype]
+    shard = st.dp
+    return (
+        w / (shard if st.zero >= 3 else 1)
+        + g / (shard if st.zero >= 2 else 1)
+        + k / (shard if st.zero >= 1 else 1)
+    )
+
+
+def comm_buffer_bytes(
+    st: Strategy, *, block_params: float, edge_params: tuple[float, float], p2p_bytes: float
+) -> tuple[float, ...]:
+    """Communication buffers of each pipeline rank: two DDP buckets, two pipeline send/receive
+    buffers, and under ZeRO-3 two gathered copies of the rank's biggest layer (a block's
+    parameters on one GPU, or the embedding's on the first rank, the head's on the last)."""
+    t, p = st.tp, st.pp
+    w = STATE_BYTES[st.dtype][0]
+    embed, head = edge_params
+    base_buffers = 2 * DDP_BUCKET_BYTES * (st.dp > 1) + 2 * p2p_bytes * t * (t > 1)
+    buffers = []
+    for rank in range(p):
+        biggest = max(block_params, embed if rank == 0 else 0.0, head if rank == p - 1 else 0.0)
+        buffers.append(base_buffers + (2 * biggest * w if st.zero == 3 else 0.0))
+    return tuple(buffers)

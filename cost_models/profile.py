@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.fx as fx
 
 from autopar.errors import AutoparError
 from autopar.graph import CapturedModel
+from autopar.graph.dispatch import numbered
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +36,29 @@ class OpCost:
     stream: bool
     """An op on the residual stream (b, s, h) with no FLOPs (norm, residual add):
     replicated by tensor parallelism, split by sequence parallelism."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallCost:
+    """One ATen call of a layer's forward below autograd (``graph.dispatch``): what a per-operator
+    recompute policy keeps or recomputes."""
+
+    key: str
+    """``op#k``: the k-th call of operator ``op`` in the layer's forward (the policy's name for it)."""
+    flops: int
+    """FLOPs (split by TP)."""
+    kernel_flops: int
+    """FLOPs the kernel executes (a causal flash attention skips about half)."""
+    mem_bytes: int
+    """Bytes read and written (0 for a view)."""
+    out_bytes: int
+    """Bytes its outputs own: what keeping them costs."""
+    keepable: bool
+    """A policy may keep its output (new storage, no mutation)."""
+    placement: str
+    """How tensor parallelism splits its output: ``stream`` (residual stream: whole, ÷t under
+    sequence parallelism), ``whole`` (a row-parallel matmul's partial sums: whole on every
+    rank) or ``sharded`` (÷t: per head, column-parallel, the 4h MLP)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +88,9 @@ class LayerCost:
     """Bytes of the row-parallel outputs that TP all-reduces in forward (e.g. 2 per block)."""
     tp_reduce_count: int
     """How many row-parallel outputs (collectives) those bytes come in (e.g. 2 per block)."""
+    calls: tuple[CallCost, ...] = ()
+    """The forward's ATen calls that move bytes or compute, in order (empty for hand-built
+    profiles): priced by per-operator recompute policies (``cost_models.recompute``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,30 +148,43 @@ class ModelProfile:
         h, s = cap.hidden_size, cap.seq
         nodes = {n.name: n for n in cap.gm.graph.nodes}
         types: dict[str, LayerCost] = {}
-        for layer in cap.layers:
-            if layer.type not in types:
-                members = [nodes[name] for name in layer.nodes]
-                types[layer.type] = _layer_cost(layer.type, members, h, s, layer.params)
+        # each type's last layer: the first also saves what every block reads (rope tables, masks)
+        last = {layer.type: layer for layer in cap.layers}
+        for name, layer in last.items():
+            types[name] = _layer_cost(name, [nodes[n] for n in layer.nodes], h, s, layer.params)
         out = next(n for n in cap.gm.graph.nodes if n.op == "output")
         head_out = [a for a in out.all_input_nodes if a.meta.get("autopar.shape")]
         vocab = int(head_out[0].meta["autopar.shape"][-1]) if head_out else h
-        dtype = next(
-            (n.meta["autopar.dtype"] for n in cap.gm.graph.nodes if n.meta.get("autopar.fwd_flops")),
-            "bfloat16",
-        )
+        dtype = _stream_dtype(cap.gm, h)
         return cls(
             micro_batch=cap.batch,
             seq=s,
             hidden=h,
             heads=cap.attention_heads,
             vocab=vocab,
-            act_bytes=4 if dtype == "float32" else 2,
+            act_bytes=_elem_bytes_of(dtype),
             layer_types=types,
             layers=tuple(layer.type for layer in cap.layers),
             layer_names=tuple(layer.name for layer in cap.layers),
             total_params=cap.total_params,
             captured=cap,
         )
+
+
+def _stream_dtype(gm: fx.GraphModule, h: int) -> str:
+    """The residual stream's dtype: the embedding's output that the first block reads (else the
+    first computing node's, else bf16)."""
+    for n in gm.graph.nodes:
+        feeds = any(u.meta.get("autopar.layer") == 1 for u in n.users)
+        if n.meta.get("autopar.layer") == 0 and feeds and _shape(n)[-1:] == (h,):
+            return str(n.meta.get("autopar.dtype", "bfloat16"))
+    computing = (n.meta["autopar.dtype"] for n in gm.graph.nodes if n.meta.get("autopar.fwd_flops"))
+    return next(computing, "bfloat16")
+
+
+def _elem_bytes_of(dtype: str) -> int:
+    """Bytes per element of a dtype named as ``autopar.dtype`` (``float32``, ``bfloat16``)."""
+    return {"float64": 8, "float32": 4, "int64": 8, "int32": 4}.get(dtype, 2)
 
 
 def _shape(n: fx.Node) -> tuple[int, ...]:
@@ -158,6 +199,7 @@ def is_stream_op(n: fx.Node, h: int | None) -> bool:
 
 def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) -> LayerCost:
     ops, stream_b, sharded_b, quad_b, quad_f, tp_bytes, tp_count = [], 0, 0, 0, 0, 0, 0
+    placements: list[tuple[fx.Node, str]] = []
     for n in members:
         if n.op != "call_function":
             continue
@@ -175,6 +217,7 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
         if row_parallel:
             tp_bytes += _numel(shape) * _elem_bytes(n)
             tp_count += 1
+        placements.append((n, _placement(shape, flops, h, row_parallel)))
         # Saved tensors on the residual stream stay whole under TP: the inputs of norms and
         # residual dropouts, and the inputs of column-parallel matmuls. A row-parallel
         # matmul's input is sharded, as are per-head tensors and the 4h MLP activations.
@@ -197,7 +240,51 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
         quadratic_flops=quad_f,
         tp_reduce_bytes=tp_bytes,
         tp_reduce_count=tp_count,
+        calls=_calls(placements),
     )
+
+
+def _placement(shape: tuple[int, ...], flops: int, h: int, row_parallel: bool) -> str:
+    """``CallCost.placement`` of a node's outputs: a row-parallel matmul's partial sums are whole;
+    FLOP-free (…, h) or per-token (…, 1) tensors of rank ≤ 3 are on the residual stream; the
+    rest (heads, column-parallel outputs, the 4h MLP) are split by tensor parallelism."""
+    if row_parallel:
+        return "whole"
+    if not flops and 1 <= len(shape) <= 3 and shape[-1] in (h, 1):
+        return "stream"
+    return "sharded"
+
+
+def _calls(placements: list[tuple[fx.Node, str]]) -> tuple[CallCost, ...]:
+    """The layer's ATen calls (``autopar.dispatch``) numbered per operator, those that cost
+    nothing to recompute or keep (views, size queries) dropped after numbering. Keeping the
+    layer's output costs nothing: the next layer holds it as its input."""
+    flat = [(c, n, where) for n, where in placements for c in n.meta.get("autopar.dispatch", ())]
+    keys = numbered([c for c, _, _ in flat])
+    members = {n for n, _ in placements}
+    outputs = {
+        max(i for i, (_, m, _) in enumerate(flat) if m is n)
+        for n in members
+        if n.meta.get("autopar.dispatch") and any(u not in members for u in n.users)
+    }
+    out = []
+    for i, (key, (c, n, where)) in enumerate(zip(keys, flat, strict=True)):
+        if not (c.flops or c.mem_bytes):
+            continue
+        fwd = n.meta.get("autopar.fwd_flops", 0)
+        share = n.meta.get("autopar.kernel_flops", fwd) / fwd if fwd else 1.0  # causal attention
+        out.append(
+            CallCost(
+                key=key,
+                flops=c.flops,
+                kernel_flops=round(c.flops * share),
+                mem_bytes=c.mem_bytes,
+                out_bytes=0 if i in outputs else c.out_bytes,
+                keepable=c.keepable,
+                placement=where,
+            )
+        )
+    return tuple(out)
 
 
 def _is_square(shape: tuple[int, ...], s: int) -> bool:
@@ -233,7 +320,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _elem_bytes(n: fx.Node) -> int:
-    return {"float32": 4, "float64": 8}.get(str(n.meta.get("autopar.dtype")), 2)
+    return _elem_bytes_of(str(n.meta.get("autopar.dtype")))
 
 
 def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile:
@@ -273,5 +360,35 @@ def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile
             quadratic_flops=lin(a.quadratic_flops, c.quadratic_flops),
             tp_reduce_bytes=lin(a.tp_reduce_bytes, c.tp_reduce_bytes),
             tp_reduce_count=a.tp_reduce_count,
+            calls=_calls_at(a.calls, c.calls, lin),
         )
     return dataclasses.replace(one, micro_batch=b, layer_types=types)
+
+
+def _calls_at(
+    one: tuple[CallCost, ...], two: tuple[CallCost, ...], lin: Callable[[float, float], int]
+) -> tuple[CallCost, ...]:
+    """The calls at micro-batch b from those at 1 and 2 (affine, as every other quantity); where
+    the two captures dispatched differently (a size-1 batch dim may take another kernel), the
+    calls at 2 scaled by b/2."""
+    if [x.key for x in one] != [y.key for y in two]:
+        one = tuple(
+            dataclasses.replace(
+                y,
+                flops=y.flops // 2,
+                kernel_flops=y.kernel_flops // 2,
+                mem_bytes=y.mem_bytes // 2,
+                out_bytes=y.out_bytes // 2,
+            )
+            for y in two
+        )
+    return tuple(
+        dataclasses.replace(
+            y,
+            flops=lin(x.flops, y.flops),
+            kernel_flops=lin(x.kernel_flops, y.kernel_flops),
+            mem_bytes=lin(x.mem_bytes, y.mem_bytes),
+            out_bytes=lin(x.out_bytes, y.out_bytes),
+        )
+        for x, y in zip(one, two, strict=True)
+    )

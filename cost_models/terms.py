@@ -15,23 +15,23 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models import comm
-from autopar.cost_models.compute import layer_forward_s
+from autopar.cost_models import recompute as rc
+from autopar.cost_models.compute import layer_forward_s, optimizer_s_per_param
 from autopar.cost_models.memory import (
+    DDP_BUCKET_BYTES,
     STATE_BYTES,
+    comm_buffer_bytes,
     inflight_stage_copies,
     layer_activation_bytes,
+    state_bytes_per_param,
 )
 from autopar.cost_models.profile import LayerCost, ModelProfile
 from autopar.errors import AutoparError
 from autopar.measurements import ComputeProfile
-from autopar.strategy import RECOMPUTE, Strategy
+from autopar.strategy import Strategy, remat
 
-ADAM_BYTES_PER_PARAM = 30
-"""Adam step traffic: read fp32 master, m, v, grad (16 B); write master, m, v, 16-bit weight (14 B)."""
 GRAD_REDUCE_BYTES = {"bf16": 4, "fp16": 2, "fp32": 4}
 """Bytes per gradient element in the DP reduction (bf16 training reduces in fp32)."""
-DDP_BUCKET_BYTES = 25 * 2**20
-"""DDP/FSDP gradient bucket (PyTorch default 25 MiB); two are in flight."""
 CUDA_CONTEXT_BYTES = 2**30
 """Memory the CUDA context and NCCL take before any tensor (~1 GiB)."""
 FRAGMENTATION = 0.05
@@ -47,9 +47,11 @@ class Unit:
     bwd_compute_s: float
     """Backward compute without recomputation (measured, or 2× forward)."""
     recompute_s: float
-    """Compute redone in backward (a forward for full, the attention core for selective)."""
+    """Compute redone in backward (a forward for full, the attention core for selective, the
+    calls a per-operator policy does not keep)."""
     tp_s: float
-    """Tensor-parallel collectives: forward + backward, + forward again under full recompute."""
+    """Tensor-parallel collectives: forward + backward, + forward again when the block is
+    checkpointed whole (full or a per-operator policy: its recomputed forward issues them)."""
     act_bytes: float
     """Activations kept until backward."""
     act_full_bytes: float
@@ -83,7 +85,7 @@ class Terms:
 
     strategy: Strategy
     block: dict[str, Unit]
-    """By recompute choice: none, selective, full."""
+    """By recompute choice (``Strategy.choices``): none, selective, full, the policies."""
     embed: Unit
     head: Unit
     block_type: str
@@ -178,7 +180,7 @@ def layer_units(
         measured=cluster.compute_profile,
         tp_layout=tp_layout,
     )
-    blocks = {r: _unit(ctx, block_type, r) for r in RECOMPUTE}
+    blocks = {r: _unit(ctx, block_type, r) for r in st.choices}
     return blocks, _unit(ctx, "embed", "none"), _unit(ctx, "head", "none")
 
 
@@ -239,8 +241,8 @@ def _tp_phases_s(ctx: _UnitContext, name: str, lc: LayerCost, chosen: TPLayer | 
     return one, one
 
 
-def _unit(ctx: _UnitContext, name: str, recompute: str) -> Unit:
-    """The unit of layer type ``name`` under recompute choice ``recompute``."""
+def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
+    """The unit of layer type ``name`` under recompute choice ``choice``."""
     profile, st, measured, tp_layout = ctx.profile, ctx.st, ctx.measured, ctx.tp_layout
     t, sp = st.tp, st.sequence_parallel
     lc = profile.layer_types[name]
@@ -253,20 +255,49 @@ def _unit(ctx: _UnitContext, name: str, recompute: str) -> Unit:
     share = chosen.stream_share if chosen is not None else None
     fwd = got.forward_s if got else layer_forward_s(lc, ctx.device, st.dtype, tp=t, sp=sp, stream_share=share)
     tp_fwd, tp_bwd = _tp_phases_s(ctx, name, lc, chosen)
-    rc_flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}
-    full_act = layer_activation_bytes(lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes)
+    redo_s, act, redo_flops = _redone(ctx, lc, choice, fwd, stream_share=share, measured=got is not None)
+    whole_block = choice == "full" or st.policy(choice) is not None  # its forward's collectives again
     return Unit(
         fwd_s=fwd,
         bwd_compute_s=got.backward_s if got else 2 * fwd,
-        recompute_s=fwd if recompute == "full" else rc_flops[recompute] / t / ctx.rate,
-        tp_s=tp_fwd * (2 if recompute == "full" else 1) + tp_bwd,
-        act_bytes=layer_activation_bytes(
-            lc, tp=t, sp=sp, recompute=recompute, input_bytes=profile.input_bytes
+        recompute_s=redo_s,
+        tp_s=tp_fwd * (2 if whole_block else 1) + tp_bwd,
+        act_bytes=act,
+        act_full_bytes=layer_activation_bytes(
+            lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes
         ),
-        act_full_bytes=full_act,
         params=chosen.local_params if chosen is not None else lc.params / t,
         fwd_flops=float(lc.fwd_flops),
-        recompute_flops=rc_flops[recompute],
+        recompute_flops=redo_flops,
+    )
+
+
+def _redone(
+    ctx: _UnitContext, lc: LayerCost, choice: str, fwd_s: float, *, stream_share: float | None, measured: bool
+) -> tuple[float, float, float]:
+    """(recompute seconds, activation bytes kept, recompute FLOPs) of one layer per micro-batch.
+
+    none, selective, full: ``memory.layer_activation_bytes``; selective redoes the attention
+    core's FLOPs, full the forward. A per-operator policy: ``cost_models.recompute``, its
+    recompute time a share of a measured forward where the cluster has one (the roofline's
+    share of the calls it redoes)."""
+    st, input_bytes = ctx.st, ctx.profile.input_bytes
+    t, sp = st.tp, st.sequence_parallel
+    policy = st.policy(choice)
+    if policy is None:
+        flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}[choice]
+        act = layer_activation_bytes(lc, tp=t, sp=sp, recompute=choice, input_bytes=input_bytes)
+        return (fwd_s if choice == "full" else flops / t / ctx.rate), act, flops
+    return rc.policy_costs(
+        lc,
+        frozenset(policy.keep),
+        ctx.device,
+        st.dtype,
+        tp=t,
+        sp=sp,
+        stream_share=stream_share if stream_share is not None else (1 / t if sp else 1.0),
+        input_bytes=input_bytes,
+        measured_fwd_s=fwd_s if measured else None,
     )
 
 
@@ -304,7 +335,7 @@ def build_terms(
         inflight=tuple(
             inflight_stage_copies(st.schedule, stage=r, pp=p, micro_batches=m, virtual=v) for r in range(p)
         ),
-        state_bytes_per_param=_state_bytes_per_param(st),
+        state_bytes_per_param=state_bytes_per_param(st),
         weight_bytes=w,
         grad_bytes=GRAD_REDUCE_BYTES[st.dtype],
         lat_s=lat,
@@ -317,21 +348,15 @@ def build_terms(
         last_bucket_s=_last_bucket_s(profile, st, layers, ar_lat, ar_s_per_byte),
         opt_s_per_param=optimizer_s_per_param(cluster, st) / (shard if st.zero >= 1 else 1),
         loss_bytes=st.micro_batch * st.seq * profile.vocab / t * 8,
-        buffers=_comm_buffers(st, layers, p2p_bytes),
+        buffers=comm_buffer_bytes(
+            st,
+            block_params=blocks["none"].params,
+            edge_params=(embed.params, head.params),
+            p2p_bytes=p2p_bytes,
+        ),
         reserve_bytes=reserve_bytes if reserve_bytes is not None else _default_reserve_bytes(device),
         dp_crosses_nodes=dp_link.crosses_nodes and st.dp > 1,
         tp_crosses_nodes=tp_link.crosses_nodes,
-    )
-
-
-def _state_bytes_per_param(st: Strategy) -> float:
-    """Weights + gradients + optimizer bytes per parameter on a GPU after ZeRO sharding."""
-    w, g, k = STATE_BYTES[st.dtype]
-    shard = st.dp
-    return (
-        w / (shard if st.zero >= 3 else 1)
-        + g / (shard if st.zero >= 2 else 1)
-        + k / (shard if st.zero >= 1 else 1)
     )
 
 
@@ -352,40 +377,6 @@ def _default_reserve_bytes(device: DeviceSpec) -> float:
     return CUDA_CONTEXT_BYTES + FRAGMENTATION * device.memory_bytes
 
 
-def _comm_buffers(st: Strategy, layers: tuple[Unit, Unit, Unit], p2p_bytes: float) -> tuple[float, ...]:
-    """Communication buffers of each pipeline rank: two DDP buckets, two pipeline send/receive
-    buffers, and under ZeRO-3 two gathered copies of the rank's biggest layer.
-
-    ``layers``: a block's (no recompute), the embedding's and the head's units."""
-    block, embed, head = layers
-    t, p = st.tp, st.pp
-    w = STATE_BYTES[st.dtype][0]
-    base_buffers = 2 * DDP_BUCKET_BYTES * (st.dp > 1) + 2 * p2p_bytes * t * (t > 1)
-    buffers = []
-    for rank in range(p):
-        biggest = max(
-            block.params,
-            embed.params if rank == 0 else 0.0,
-            head.params if rank == p - 1 else 0.0,
-        )
-        buffers.append(base_buffers + (2 * biggest * w if st.zero == 3 else 0.0))
-    return tuple(buffers)
-
-
-def optimizer_s_per_param(cluster: Cluster, st: Strategy) -> float:
-    """Optimizer seconds per parameter a GPU updates: measured where the cluster has a compute
-    profile for this dtype (on DTensor parameters when the runtime makes them DTensors: under
-    TP, and under FSDP2 for ZeRO ≥ 2 or any data-parallel pipeline), else memory-bound Adam,
-    ADAM_BYTES_PER_PARAM / HBM bandwidth."""
-    measured = cluster.compute_profile
-    if measured is None or measured.dtype != st.dtype:
-        return ADAM_BYTES_PER_PARAM / cluster.device.hbm_bandwidth_bytes_per_s
-    dtensor = st.tp > 1 or (st.dp > 1 and (st.zero >= 2 or st.pp > 1))
-    if dtensor and measured.optimizer_dtensor_s_per_param is not None:
-        return measured.optimizer_dtensor_s_per_param
-    return measured.optimizer_s_per_param
-
-
 @dataclass(frozen=True, kw_only=True)
 class RankLoad:
     """Sums of unit terms over the layers one rank holds."""
@@ -398,7 +389,9 @@ class RankLoad:
     params: float
     layers: int
     act_bytes: float
-    has_full: bool
+    rematerialises: bool
+    """A block of the rank is checkpointed whole (full or a per-operator policy): its backward
+    rebuilds one block's activations at a time."""
 
     @property
     def compute_s(self) -> float:
@@ -409,16 +402,16 @@ class RankLoad:
         return self.compute_s + self.recompute_s + self.tp_s
 
 
-def rank_units(terms: Terms, rank: int, counts: tuple[int, int, int]) -> list[tuple[str, Unit, int]]:
-    """(recompute, unit, count) on pipeline rank ``rank``: ``counts`` (none, selective, full)
-    blocks, the embedding on the first rank and the head on the last."""
-    units = [(r, terms.block[r], n) for r, n in zip(RECOMPUTE, counts, strict=True)]
+def rank_units(terms: Terms, rank: int, counts: tuple[int, ...]) -> list[tuple[str, Unit, int]]:
+    """(recompute, unit, count) on pipeline rank ``rank``: ``counts`` blocks per recompute
+    choice (``Strategy.choices``), the embedding on the first rank and the head on the last."""
+    units = [(r, terms.block[r], n) for r, n in zip(terms.strategy.choices, counts, strict=True)]
     last = len(terms.inflight) - 1
     return units + [("none", terms.embed, 1)] * (rank == 0) + [("none", terms.head, 1)] * (rank == last)
 
 
-def rank_load(terms: Terms, rank: int, counts: tuple[int, int, int]) -> RankLoad:
-    """Sum the units of ``counts`` (none, selective, full) blocks plus embed/head where they live."""
+def rank_load(terms: Terms, rank: int, counts: tuple[int, ...]) -> RankLoad:
+    """Sum the units of ``counts`` blocks (per ``Strategy.choices``) plus embed/head where they live."""
     units = [(u, n) for _, u, n in rank_units(terms, rank, counts)]
     return RankLoad(
         fwd_s=sum(u.fwd_s * n for u, n in units),
@@ -429,7 +422,7 @@ def rank_load(terms: Terms, rank: int, counts: tuple[int, int, int]) -> RankLoad
         params=sum(u.params * n for u, n in units),
         layers=sum(n for _, n in units),
         act_bytes=sum(u.act_bytes * n for u, n in units),
-        has_full=counts[2] > 0,
+        rematerialises=any(n for r, n in zip(terms.strategy.choices, counts, strict=True) if remat(r)),
     )
 
 
@@ -487,8 +480,8 @@ def rank_memory_terms(terms: Terms, rank: int, load: RankLoad) -> dict[str, floa
     st = terms.strategy
     (w, g, k), shard = STATE_BYTES[st.dtype], st.dp
     acts = terms.inflight[rank] * load.act_bytes
-    if load.has_full:
-        acts += terms.block["full"].act_full_bytes
+    if load.rematerialises:
+        acts += terms.block["none"].act_full_bytes
     return {
         "weights": load.params * w / (shard if st.zero >= 3 else 1),
         "gradients": load.params * g / (shard if st.zero >= 2 else 1),

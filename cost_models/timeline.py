@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from autopar.cost_models.terms import RankLoad, Terms, dp_exposed_s, rank_units
-from autopar.strategy import Strategy
+from autopar.strategy import Strategy, remat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,15 +72,13 @@ class Event:
     end_s: float
 
 
-def stage_times(
-    terms: Terms, counts: list[tuple[int, int, int]], loads: list[RankLoad]
-) -> tuple[StageTime, ...]:
-    """Each pipeline rank's terms for ``counts`` (none, selective, full) blocks per rank, whose
+def stage_times(terms: Terms, counts: list[tuple[int, ...]], loads: list[RankLoad]) -> tuple[StageTime, ...]:
+    """Each pipeline rank's terms for ``counts`` blocks per rank and recompute choice, whose
     sums ``loads`` (``terms.rank_load``) the estimate already holds."""
     out = []
     for k, (c, load) in enumerate(zip(counts, loads, strict=True)):
         units = rank_units(terms, k, c)
-        tp_forward = sum(n * u.tp_s / (3 if r == "full" else 2) for r, u, n in units)
+        tp_forward = sum(n * u.tp_s / (3 if remat(r) else 2) for r, u, n in units)
         out.append(
             StageTime(
                 stage=k,

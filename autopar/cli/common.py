@@ -14,7 +14,7 @@ from rich.console import Console
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.request import Constraints
-from autopar.strategy import RECOMPUTE, TP_OBJECTIVES
+from autopar.strategy import ALLOWED_RECOMPUTE, TP_OBJECTIVES, is_recompute_name
 
 MODEL_HELP = "zoo name, path/to/file.py:factory or pkg.mod:factory"
 CLUSTER_HELP = "preset name (see `autopar clusters`) or YAML file"
@@ -80,8 +80,9 @@ def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--recompute",
-        default=",".join(RECOMPUTE),
-        help="recompute choices allowed, comma-separated (default none,selective,full)",
+        default=",".join(ALLOWED_RECOMPUTE),
+        help="recompute choices allowed per block, comma-separated: none, selective, full, sac (every "
+        "per-operator policy) or one policy such as sac2 (default none,selective,sac,full)",
     )
 
 
@@ -94,9 +95,10 @@ def add_measured_flags(p: argparse.ArgumentParser) -> None:
 def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Constraints:
     """The planner's Constraints from the shared plan flags (``add_constraint_flags``)."""
     allowed = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
-    if not allowed or any(x not in RECOMPUTE for x in allowed):
+    if not allowed or not all(is_recompute_name(x) for x in allowed):
         raise AutoparError(
-            f"--recompute takes a comma-separated subset of {', '.join(RECOMPUTE)}, got {args.recompute!r}"
+            f"--recompute takes a comma-separated subset of {', '.join(ALLOWED_RECOMPUTE)} or policy "
+            f"names (sac1, sac2, …), got {args.recompute!r}"
         )
     return Constraints(
         tp=args.tp,

@@ -4,6 +4,7 @@ strategy's predicted step time, throughput and memory)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
@@ -21,8 +22,17 @@ from autopar.cli.common import (
     print_json,
     progress,
 )
-from autopar.strategy import TP_OBJECTIVES
+from autopar.strategy import RECOMPUTE, SAC, TP_OBJECTIVES, is_recompute_name
 from autopar.units import format_bytes, format_si
+
+
+def recompute_choice(text: str) -> str:
+    """argparse type: one recompute choice (``sac`` alone names no single policy)."""
+    if text == SAC or not is_recompute_name(text):
+        raise argparse.ArgumentTypeError(
+            f"expected none, selective, full or a per-operator policy (sac1, sac2, …), got {text!r}"
+        )
+    return text
 
 
 def add_parsers(sub: Any) -> None:
@@ -46,7 +56,13 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--micro-batch", type=positive, default=1, help="sequences per micro-batch")
     p.add_argument("--global-batch", type=positive, required=True, help="sequences per step")
     p.add_argument("--seq", type=positive, default=None, help="sequence length (default: the model's)")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    p.add_argument(
+        "--recompute",
+        type=recompute_choice,
+        default="none",
+        help="recompute of every block: none (default), selective, full, or a per-operator policy "
+        "sac1, sac2, … (`autopar plan` lists them; sac1 keeps the fewest bytes)",
+    )
     p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
     p.add_argument(
         "--virtual-stages",
@@ -137,6 +153,7 @@ def _print_checks(console: Console, checks: list[dict[str, Any]]) -> None:
 def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
     from autopar.cluster import Cluster
     from autopar.planner import ModelProfiles, Pricer
+    from autopar.planner.recompute_ilp import recompute_choices
     from autopar.strategy import Strategy, check_strategy
     from autopar.zoo.spec import model_seq
 
@@ -152,7 +169,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         micro_batch=args.micro_batch,
         global_batch=args.global_batch,
         seq=seq,
-        recompute=args.recompute,
+        recompute=args.recompute if args.recompute in RECOMPUTE else "none",
         schedule=args.schedule,
         sequence_parallel=args.sequence_parallel,
         tp_objective=args.tp_objective,
@@ -168,6 +185,9 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
     pricer = Pricer(
         profiles, cluster, dtype=args.dtype, reserve_bytes=reserve, tp_graph_micro_batch=args.micro_batch
     )
+    if args.recompute not in RECOMPUTE:  # a per-operator policy: the model's, found here
+        recompute_choices((args.recompute,), pricer.policies)  # a name it lacks: one line
+        strategy = replace(strategy, policies=pricer.policies, recompute=args.recompute)
     est = pricer.estimate(strategy)
     if args.json:
         print_json(
@@ -194,6 +214,13 @@ def _print_estimate(console: Console, model: str, cluster: Any, st: Any, est: An
         table.add_row(term.replace("_", " "), f"{value:.4f}", f"{100 * value / est.step_time_s:.1f}%")
     table.add_row("[bold]step[/bold]", f"[bold]{est.step_time_s:.4f}[/bold]", "100%")
     console.print(table)
+    policy = st.policy(st.recompute)
+    if policy is not None:
+        cost, none = est.recompute_choices[st.recompute], est.recompute_choices["none"]
+        console.print(
+            f"recompute {policy.name}: {policy.summary}; per block {format_bytes(cost['act_bytes'])} "
+            f"kept (none {format_bytes(none['act_bytes'])}), {1e3 * cost['recompute_s']:.2f} ms redone"
+        )
     console.print(
         f"{est.tokens_per_s:,.0f} tokens/s · {est.tflops_per_gpu:.1f} TFLOP/s per GPU model "
         f"(MFU {100 * est.mfu:.1f}%) · {est.hardware_tflops_per_gpu:.1f} hardware (HFU {100 * est.hfu:.1f}%)"

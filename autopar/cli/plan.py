@@ -113,8 +113,8 @@ def _print_plan(console: Console, plan: Plan) -> None:
     lines = plan.text().splitlines()
     console.print(lines[0])
     console.print(lines[1])
-    for line in lines:  # per-operator tensor-parallel strategies of each block type
-        if line.startswith("tensor parallel "):
+    for line in lines:  # per-operator TP strategies and recompute policies of the block type
+        if line.startswith(("tensor parallel ", "recompute ")):
             console.print(line)
     table = Table(title="stages", show_edge=False, title_justify="left")
     cols = ("stage", "layers", "recompute", "time/micro-batch", "of which TP comm")

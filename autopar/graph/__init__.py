@@ -13,7 +13,6 @@ Works on meta-device models (nothing is allocated, even at 1T parameters).
 
 from __future__ import annotations
 
-import inspect
 import re
 import time
 from collections.abc import Mapping
@@ -27,7 +26,7 @@ from torch import nn
 from autopar.errors import AutoparError, CaptureError
 from autopar.graph.annotate import annotate_costs
 from autopar.graph.layers import Layer, find_layer_container, group_layers
-from autopar.graph.objective import objective_of
+from autopar.graph.objective import objective_of, without_cache
 from autopar.graph.trace import (
     CONSTANT_PREFIX,
     MIN_BLOCKS_TO_DEDUPE,
@@ -122,17 +121,13 @@ class CapturedModel:
 def example_inputs(model: nn.Module, batch: int, seq: int) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
     """Token ids (batch, seq) on the model's device as the model reads them (with its targets where
     it computes its own loss: ``objective.objective_of``); ``use_cache=False`` where accepted."""
-    objective = objective_of(model)
+    objective = without_cache(model, objective_of(model))
     if batch < 1 or seq < 1:
         raise AutoparError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
     if seq < 2 and objective.shifted:
         raise AutoparError(f"a model that takes {objective.target}= reads seq − 1 tokens: seq must be ≥ 2")
     device = next(iter(model.parameters()), torch.empty(0)).device
-    args, kwargs = objective.inputs(torch.zeros(batch, seq, dtype=torch.long, device=device))
-    params = inspect.signature(model.forward).parameters
-    if "use_cache" in params:
-        kwargs["use_cache"] = False
-    return args, kwargs
+    return objective.inputs(torch.zeros(batch, seq, dtype=torch.long, device=device))
 
 
 def capture(
@@ -209,14 +204,24 @@ def priced(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _hidden_size(gm: fx.GraphModule) -> int | None:
-    """Last dim of the first tensor that layer 1 reads from layer 0 (the embeddings)."""
-    for n in gm.graph.nodes:
-        feeds_block = any(u.meta.get("autopar.layer") == 1 for u in n.users)
-        if n.meta.get("autopar.layer") == 0 and n.op == "call_function" and feeds_block:
-            shape = n.meta.get("autopar.shape", ())
-            if len(shape) >= 2:
-                return int(shape[-1])
-    return None
+    """Last dim of the residual stream: the first tensor layer 1 reads from layer 0 (the
+    embeddings) shaped like one layer 1 hands on (a mask or position table the first block
+    also reads is not the stream); else the first one it reads with ≥ 2 dims."""
+
+    def handed(src: int, dst: int) -> list[fx.Node]:
+        return [
+            n
+            for n in gm.graph.nodes
+            if n.meta.get("autopar.layer") == src
+            and n.op == "call_function"
+            and len(n.meta.get("autopar.shape", ())) >= 2
+            and any(u.meta.get("autopar.layer") == dst for u in n.users)
+        ]
+
+    into = handed(0, 1)
+    onward = {tuple(n.meta["autopar.shape"]) for n in handed(1, 2)}
+    stream = [n for n in into if tuple(n.meta["autopar.shape"]) in onward] or into
+    return int(stream[0].meta["autopar.shape"][-1]) if stream else None
 
 
 def _attention_heads(gm: fx.GraphModule, seq: int) -> int | None:

@@ -32,10 +32,14 @@ memory, no compute) with parameters that require grad, and records per node:
   residual-stream tensors (b, s, h) from tensor-parallel-sharded ones.
 - ``autopar.mem_bytes``: bytes the kernel reads and writes (tensor inputs +
   outputs) for the roofline's memory term; 0 for ops that only make views.
+- ``autopar.dispatch``: the ATen calls the node runs below autograd, in order
+  (``graph.dispatch.DispatchCall``: operator, FLOPs, bytes moved, bytes its
+  outputs own): what a per-operator recompute policy keeps or recomputes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +50,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+from autopar.graph.dispatch import DispatchCall, dispatch_call, ignored, storages, written
 
 _aten = torch.ops.aten
 
@@ -72,20 +78,35 @@ _EXTRA_FLOPS: dict[Any, Callable[..., int]] = {
 
 
 class _FlopCounter(TorchDispatchMode):
-    """Adds the FLOPs of every dispatched ATen op to ``self.flops``."""
+    """Adds the FLOPs of every dispatched ATen op to ``self.flops`` and records each call
+    (``self.calls``: what selective activation checkpointing decides over)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
+        self.calls: list[DispatchCall] = []
+        self.made_by: dict[int, int] = {}  # storage → the call (index) that made it
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
+        flops = 0
         if packet in flop_registry:
-            self.flops += int(flop_registry[packet](*args, **kwargs, out_val=out))
+            flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
         elif packet in _EXTRA_FLOPS:
-            self.flops += int(_EXTRA_FLOPS[packet](*args, **kwargs))
+            flops = int(_EXTRA_FLOPS[packet](*args, **kwargs))
+        self.flops += flops
+        if ignored(func):
+            return out
+        for storage in written(func, args, kwargs):  # a kept output must stay as it was made
+            if storage in self.made_by:
+                i = self.made_by[storage]
+                self.calls[i] = dataclasses.replace(self.calls[i], keepable=False)
+        call = dispatch_call(func, args, kwargs, out, flops)
+        if call.out_bytes:
+            self.made_by.update(dict.fromkeys(storages(out) - storages((args, kwargs)), len(self.calls)))
+        self.calls.append(call)
         return out
 
 
@@ -110,6 +131,7 @@ class _CostInterpreter(fx.Interpreter):
         self.keep: list[torch.Tensor] = []  # saved tensors stay alive until we are done
         self.node_saved: list[tuple[tuple[int, ...], int]] = []
         self.counter = _FlopCounter()
+        self.node_calls: dict[fx.Node, tuple[int, int]] = {}  # node → its slice of counter.calls
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
@@ -146,7 +168,7 @@ class _CostInterpreter(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         self.node_saved = []
-        before = self.counter.flops
+        before, first_call = self.counter.flops, len(self.counter.calls)
         with self.mode, self.counter, torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             out = super().run_node(n)
         fwd = self.counter.flops - before
@@ -158,6 +180,8 @@ class _CostInterpreter(fx.Interpreter):
         n.meta["autopar.dtype"] = str(first.dtype).removeprefix("torch.") if first is not None else ""
         n.meta["autopar.fwd_flops"] = fwd
         n.meta["autopar.kernel_flops"] = round(fwd * causal_share(n))
+        # (a get_attr's calls make our fake parameters: the real graph reads a tensor)
+        self.node_calls[n] = (first_call, len(self.counter.calls)) if n.op == "call_function" else (0, 0)
         n.meta["autopar.bwd_flops"] = fwd * min(2, grad_operands)
         n.meta["autopar.saved_bytes"] = sum(nbytes for _, nbytes in self.node_saved)
         n.meta["autopar.saved"] = tuple(self.node_saved)
@@ -241,6 +265,8 @@ def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
     interp = _CostInterpreter(gm, mode)
     seen_params: set[int] = set()
     interp.run(*args)
+    for n, (first, last) in interp.node_calls.items():  # after the run: later writes are known
+        n.meta["autopar.dispatch"] = tuple(interp.counter.calls[first:last])
     # A tied weight is read by two get_attr nodes: count its bytes once.
     for n in gm.graph.nodes:
         if n.op == "get_attr" and n.meta.get("autopar.param_bytes"):

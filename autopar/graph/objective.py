@@ -20,7 +20,7 @@ cross-entropy on their logits (``runtime.loss.lm_loss``).
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,6 +40,10 @@ class Objective:
     """The forward keyword the targets go to; None: the model reads the tokens alone."""
     shifted: bool = False
     """The caller shifts: inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``."""
+    no_cache: bool = False
+    """Call the forward with ``use_cache=False`` (it takes one, as Hugging Face models do): a
+    training step keeps no key/value cache, and a checkpointed block recomputed in backward
+    would extend one a second time (``without_cache``)."""
 
     @property
     def own_loss(self) -> bool:
@@ -48,11 +52,12 @@ class Objective:
 
     def inputs(self, tokens: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
         """The forward's positional and keyword arguments for ``tokens``."""
+        extra: dict[str, Any] = {"use_cache": False} if self.no_cache else {}
         if self.target is None:
-            return (tokens,), {}
+            return (tokens,), extra
         if self.shifted:  # contiguous, as a data loader gives them (a model may .view them)
-            return (tokens[:, :-1].contiguous(),), {self.target: tokens[:, 1:].contiguous()}
-        return (tokens,), {self.target: tokens}
+            return (tokens[:, :-1].contiguous(),), {self.target: tokens[:, 1:].contiguous(), **extra}
+        return (tokens,), {self.target: tokens, **extra}
 
     def input_seq(self, seq: int) -> int:
         """Positions the model reads from a sequence of ``seq`` tokens."""
@@ -78,6 +83,15 @@ def objective_of(model: nn.Module) -> Objective:
         if keyword in params:
             return Objective(target=keyword, shifted=shifted)
     return LOGITS
+
+
+def without_cache(model: nn.Module, objective: Objective) -> Objective:
+    """``objective`` with ``no_cache`` where ``model.forward`` takes ``use_cache``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature
+        return objective
+    return replace(objective, no_cache=True) if "use_cache" in params else objective
 
 
 def model_loss(output: Any) -> torch.Tensor:
@@ -116,4 +130,5 @@ __all__ = [
     "describe",
     "model_loss",
     "objective_of",
+    "without_cache",
 ]

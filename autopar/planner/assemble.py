@@ -132,8 +132,10 @@ def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) ->
     for k, layers in enumerate(stage_layer_names(profile, st)):
         load = rank_load(terms, k, counts[k])
         blocks = [x for x in layers if x not in edge]
-        none, sel, full = counts[k]
-        choice = ["full"] * full + ["selective"] * sel + ["none"] * none
+        # leanest first: full, the policies (fewest bytes kept first), selective, none
+        by_name = dict(zip(st.choices, counts[k], strict=True))
+        order = ["full", *(p.name for p in st.policies), "selective", "none"]
+        choice = [r for r in order for _ in range(by_name[r])]
         stages.append(
             StagePlan(
                 index=k,

@@ -1,11 +1,11 @@
 """The inner problem of the planner: an ILP over how many blocks each pipeline rank holds
 and which of them recompute, for one choice of the outer knobs.
 
-Blocks are identical, so a layout is p × 3 integer counts (none, selective,
-full per rank), not L × p binaries: the problem size does not grow with the
-number of layers. The objective and every constraint are ``cost_models.terms``
-verbatim (labels name the cost-model term), so the ILP's optimum is the best
-layout's estimate. Solved with PuLP + HiGHS (CBC if HiGHS is missing);
+Blocks are identical, so a layout is p × c integer counts (blocks per rank and
+recompute choice: none, selective, full and the per-operator policies), not L × p
+binaries: the problem size does not grow with the number of layers. The objective
+and every constraint are ``cost_models.terms`` verbatim (labels name the cost-model
+term), so the ILP's optimum is the best layout's estimate. Solved with PuLP + HiGHS (CBC if HiGHS is missing);
 ``sol_status`` is checked, not ``LpStatus``.
 """
 
@@ -17,6 +17,7 @@ import pulp
 
 from autopar.cost_models.terms import Terms, zero3_unhidden_s
 from autopar.planner.solver import mip_solver, solve
+from autopar.strategy import remat
 
 MIP_GAP = 1e-6
 """Relative optimality gap each layout ILP must prove (unless its time limit runs out first)."""
@@ -32,7 +33,7 @@ def max_blocks(terms: Terms, rank: int, capacity: float, recompute: str) -> int:
             fixed += edge.params * terms.state_bytes_per_param + terms.inflight[rank] * edge.act_bytes
     if rank == st.pp - 1:
         fixed += terms.loss_bytes
-    if recompute == "full":
+    if remat(recompute):  # its backward rebuilds one block's activations
         fixed += u.act_full_bytes
     per_block = u.params * terms.state_bytes_per_param + terms.inflight[rank] * u.act_bytes
     return max(0, math.floor((capacity - fixed) / per_block)) if per_block > 0 else 10**9
@@ -41,7 +42,10 @@ def max_blocks(terms: Terms, rank: int, capacity: float, recompute: str) -> int:
 def fits_somehow(terms: Terms, blocks: int, capacity: float, allowed: tuple[str, ...]) -> bool:
     """Exact feasibility of the layout ILP: ranks are independent but for Σ blocks = L."""
     st = terms.strategy
-    caps = [max(max_blocks(terms, k, capacity, r) for r in allowed) for k in range(st.pp)]
+    # the most blocks come from the leanest choice with and without rematerialisation (within
+    # each, the fixed memory is the same and blocks differ only in their activations)
+    leanest = {remat(r): r for r in sorted(allowed, key=lambda r: -terms.block[r].act_bytes)}.values()
+    caps = [max(max_blocks(terms, k, capacity, r) for r in leanest) for k in range(st.pp)]
     if st.virtual_stages > 1:
         return all(c >= blocks // st.pp for c in caps)
     return all(c >= 1 for c in caps) and sum(min(c, blocks) for c in caps) >= blocks
@@ -66,9 +70,10 @@ class LayoutILP:
             (k, r): pulp.LpVariable(f"n_{k}_{r}", lowBound=0, upBound=self.upper[k, r], cat="Integer")
             for (k, r) in self.upper
         }
-        self.has_full = (
-            {k: pulp.LpVariable(f"full_{k}", cat="Binary") for k in range(st.pp)}
-            if "full" in self.choices
+        self.remat = [r for r in self.choices if remat(r)]  # full and the per-operator policies
+        self.has_remat = (
+            {k: pulp.LpVariable(f"rematerialises_{k}", cat="Binary") for k in range(st.pp)}
+            if self.remat
             else {}
         )
         self.slowest = pulp.LpVariable("T_slowest_stage_s", lowBound=0)
@@ -110,12 +115,13 @@ class LayoutILP:
         memory_k = params_k * terms.state_bytes_per_param * ms + terms.inflight[k] * self.lin(
             k, "act_bytes", ms
         )
-        if self.has_full:
-            memory_k += self.has_full[k] * terms.block["full"].act_full_bytes * ms
-            self.prob += (
-                self.n[k, "full"] <= self.upper[k, "full"] * self.has_full[k],
-                f"full_recompute_flag_{k}",
-            )
+        if self.has_remat:  # one block's activations rebuilt in backward (full or a policy)
+            memory_k += self.has_remat[k] * terms.block["none"].act_full_bytes * ms
+            for r in self.remat:
+                self.prob += (
+                    self.n[k, r] <= self.upper[k, r] * self.has_remat[k],
+                    f"rematerialise_flag_{k}_{r}",
+                )
         fixed_mem = terms.buffers[k] + terms.reserve_bytes + (terms.loss_bytes if k == p - 1 else 0.0)
         self.prob += memory_k + fixed_mem * ms <= 1.0, f"memory_{k}"
         self.prob += self.opt_time >= params_k * terms.opt_s_per_param * ts, f"optimizer_{k}"
@@ -160,20 +166,19 @@ class LayoutILP:
             self.prob += gather_b >= first + last, f"zero3_first_gather_last_reduce_{k}"
             self.prob += self.dp_time >= mb * (hinge + gather_b), f"dp_exposed_{k}"
 
-    def layout(self) -> tuple[tuple[int, int, int], ...]:
-        """The solved (none, selective, full) counts per rank."""
+    def layout(self) -> tuple[tuple[int, ...], ...]:
+        """The solved counts per rank and recompute choice (``Strategy.choices``)."""
 
         def count(k: int, r: str) -> int:
             return round(self.n[k, r].value()) if r in self.choices else 0
 
-        return tuple(
-            (count(k, "none"), count(k, "selective"), count(k, "full")) for k in range(self.strategy.pp)
-        )
+        st = self.strategy
+        return tuple(tuple(count(k, r) for r in st.choices) for k in range(st.pp))
 
 
 def solve_layout(
     terms: Terms, *, blocks: int, capacity: float, allowed: tuple[str, ...], time_limit: float
-) -> tuple[tuple[tuple[int, int, int], ...], float] | None:
+) -> tuple[tuple[tuple[int, ...], ...], float] | None:
     """The ILP over block counts per rank; returns (layout, proven gap) or None if nothing fits."""
     ilp = LayoutILP(terms, blocks=blocks, capacity=capacity, allowed=allowed)
     # Prove optimality to MIP_GAP relative (times are scaled to block units above).

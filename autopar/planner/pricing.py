@@ -4,12 +4,15 @@ per-operator choice at its width (``tp_layouts``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from autopar.cluster import Cluster
 from autopar.cost_models.estimate import Estimate, estimate
 from autopar.cost_models.terms import Terms, Units, build_terms, layer_units
 from autopar.planner.profiles import ModelProfiles
+from autopar.planner.recompute_ilp import frontier
 from autopar.planner.tp_layouts import TPLayouts
-from autopar.strategy import Strategy
+from autopar.strategy import RecomputePolicy, Strategy
 
 
 class Pricer:
@@ -30,7 +33,17 @@ class Pricer:
         solved on (``TPLayouts``)."""
         self.profiles, self.cluster, self.reserve_bytes = profiles, cluster, reserve_bytes
         self.layouts = TPLayouts(profiles, cluster, dtype, micro_batch=tp_graph_micro_batch)
-        self._units: dict[tuple[int, bool, str, int], Units] = {}
+        self.dtype = dtype
+        self._units: dict[tuple[Any, ...], Units] = {}
+        self._policies: tuple[RecomputePolicy, ...] | None = None
+
+    @property
+    def policies(self) -> tuple[RecomputePolicy, ...]:
+        """The model's per-operator recompute policies on this cluster (``recompute_ilp``),
+        found once from the capture at micro-batch 1."""
+        if self._policies is None:
+            self._policies = frontier(self.profiles.base, self.cluster, self.dtype)
+        return self._policies
 
     def estimate(self, st: Strategy) -> Estimate:
         """The cost model's estimate of ``st`` (its layout, or an even split)."""
@@ -45,7 +58,7 @@ class Pricer:
     def terms(self, st: Strategy) -> Terms:
         """The linear terms of ``st``'s outer knobs (``cost_models.terms``)."""
         prof = self.profiles.at(st.micro_batch)
-        key = (st.tp, st.sequence_parallel, st.tp_objective, st.micro_batch)
+        key = (st.tp, st.sequence_parallel, st.tp_objective, st.micro_batch, st.policies)
         if key not in self._units:
             self._units[key] = layer_units(prof, self.cluster, st, self.layouts(st))
         return build_terms(prof, self.cluster, st, units=self._units[key], reserve_bytes=self.reserve_bytes)

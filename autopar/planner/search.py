@@ -3,8 +3,9 @@
 Outer knobs (tp, pp, dp, micro-batch, schedule/v, sequence parallelism, ZeRO)
 are few and discrete, so they are enumerated; the inner problem — how many
 blocks each pipeline rank holds and which of them recompute (none, selective,
-full) — is an integer program over counts (identical blocks are
-interchangeable, so a layout is p × 3 integers, not L × p binaries), solved
+full, or a per-operator policy of ``recompute_ilp``) — is an integer program over
+counts (identical blocks are interchangeable, so a layout is p × c integers, not
+L × p binaries), solved
 with PuLP + HiGHS (CBC if HiGHS is missing). Its objective and constraints are
 ``cost_models.terms`` verbatim, so a layout's ILP value equals its estimate.
 
@@ -39,8 +40,9 @@ from autopar.cost_models.terms import (
 )
 from autopar.planner.layout_ilp import fits_somehow, max_blocks, solve_layout
 from autopar.planner.pricing import Pricer
+from autopar.planner.recompute_ilp import recompute_choices
 from autopar.request import Constraints, PlanRequest
-from autopar.strategy import Strategy
+from autopar.strategy import RECOMPUTE, Strategy, remat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,7 +204,7 @@ def lower_bound_s(
         params=params / st.pp,
         layers=(blocks + 2) // st.pp,
         act_bytes=0.0,
-        has_full=False,
+        rematerialises=False,
     )
     rounds = st.micro_batches + (st.pp - 1) / st.virtual_stages
     return (
@@ -233,20 +235,17 @@ def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = Non
     """
     start = time.perf_counter()
     progress = progress or _quiet
-    c, base = request.constraints, pricer.profiles.base
-    capacity = request.capacity_bytes
-    strategies = outer_strategies(request, blocks=base.blocks, heads=base.heads)
-    if c.tp_objective is None:  # fastest and leanest TP layouts
-        strategies = [v for st in strategies for v in pricer.layouts.variants(st)]
+    base, capacity = pricer.profiles.base, request.capacity_bytes
+    allowed, strategies = _candidates(request, pricer)
     infeasible: list[Strategy] = []
     bounded = []
     for i, st in enumerate(strategies):
         progress(i, len(strategies), PRICING)
         terms = pricer.terms(st)
-        if not fits_somehow(terms, base.blocks, capacity, c.recompute):
+        if not fits_somehow(terms, base.blocks, capacity, allowed):
             infeasible.append(st)
             continue
-        bounded.append((lower_bound_s(terms, base.blocks, capacity, c.recompute), st, terms))
+        bounded.append((lower_bound_s(terms, base.blocks, capacity, allowed), st, terms))
     progress(len(strategies), len(strategies), PRICING)
     bounded.sort(key=lambda x: x[0])
     found: list[Candidate] = []
@@ -256,14 +255,17 @@ def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = Non
         progress(i, len(bounded), SOLVING)
         if found and bound >= found[0].estimate.step_time_s:
             break  # no remaining outer choice can beat the best plan
-        cand = _even_split(pricer, st, bound, capacity, c.recompute, base.blocks)
+        cand = _even_split(pricer, st, bound, capacity, allowed, base.blocks)
         if cand is None:
             # Each ILP gets a slice of the budget; one that runs out reports its proven gap.
             remaining = request.time_limit_s - (time.perf_counter() - start)
             ilps += 1
             cand = _best_layout(
-                pricer, terms, base.blocks, capacity, c.recompute, min(remaining, request.time_limit_s / 20)
-            )
+                pricer, terms, base.blocks, capacity, allowed, min(remaining, request.time_limit_s / 20)
+            ) or _uniform(pricer, terms, bound, capacity, allowed, base.blocks)
+            if cand is None:  # out of time before any layout, none uniform fits: only its bound
+                proven.append(bound)
+                continue
             proven.append(cand.estimate.step_time_s * (1 - cand.gap))  # no layout of it is faster
         found.append(cand)
         found.sort(key=lambda x: x.estimate.step_time_s)
@@ -275,8 +277,23 @@ def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = Non
         ilps=ilps,
         outer=len(strategies),
         gap=gap,
-        leanest=[] if found else _leanest(pricer, infeasible, c.recompute),
+        leanest=[] if found else _leanest(pricer, infeasible, allowed),
     )
+
+
+def _candidates(request: PlanRequest, pricer: Pricer) -> tuple[tuple[str, ...], list[Strategy]]:
+    """The recompute choices allowed (``sac``: the model's per-operator policies, which every
+    strategy then carries) and the outer strategies, in the fastest and the leanest TP layout
+    where the constraints leave it open."""
+    c, base = request.constraints, pricer.profiles.base
+    wants = any(r not in RECOMPUTE for r in c.recompute)  # per-operator policies allowed
+    allowed, policies = recompute_choices(c.recompute, pricer.policies if wants else ())
+    strategies = outer_strategies(request, blocks=base.blocks, heads=base.heads)
+    if policies:
+        strategies = [replace(st, policies=policies) for st in strategies]
+    if c.tp_objective is None:  # fastest and leanest TP layouts
+        strategies = [v for st in strategies for v in pricer.layouts.variants(st)]
+    return allowed, strategies
 
 
 def _even_split(
@@ -295,15 +312,32 @@ def _even_split(
 
 def _best_layout(
     pricer: Pricer, terms: Terms, blocks: int, capacity: float, allowed: tuple[str, ...], time_limit_s: float
-) -> Candidate:
-    """The layout ILP's optimum for the outer choice of ``terms`` (within ``time_limit_s``)."""
+) -> Candidate | None:
+    """The layout ILP's optimum for the outer choice of ``terms`` (within ``time_limit_s``; None
+    when the time ran out before a layout was found)."""
     solved = solve_layout(
         terms, blocks=blocks, capacity=capacity, allowed=allowed, time_limit=max(0.1, time_limit_s)
     )
-    assert solved is not None, "fits_somehow said a layout exists"
+    if solved is None:
+        return None
     layout, gap = solved
     chosen = replace(terms.strategy, layout=layout, recompute="none")
     return Candidate(strategy=chosen, estimate=pricer.estimate(chosen), gap=gap)
+
+
+def _uniform(
+    pricer: Pricer, terms: Terms, bound: float, capacity: float, allowed: tuple[str, ...], blocks: int
+) -> Candidate | None:
+    """When the layout ILP ran out of time with nothing found: the fastest even split with one
+    recompute choice for every block that fits (its gap against the bound), else None."""
+    for choice in sorted(allowed, key=lambda r: terms.block[r].time_s):
+        st = replace(terms.strategy, recompute=choice)
+        est = pricer.estimate(st)
+        if max(mm.peak_bytes for mm in est.memory) <= capacity:
+            chosen = replace(st, layout=tuple(st.blocks_per_rank(blocks)), recompute="none")
+            gap = max(0.0, (est.step_time_s - bound) / est.step_time_s)
+            return Candidate(strategy=chosen, estimate=est, gap=gap)
+    return None
 
 
 def _leanest(
@@ -312,8 +346,10 @@ def _leanest(
     """For the error message: (peak memory, strategy) of the leanest even split of each outer
     choice, leanest first."""
     leanest = []
+    # full, else the leanest policy allowed (policies are listed leanest first)
+    lean_choice = next((r for r in ("full", *allowed) if r in allowed and remat(r)), None)
     for st in infeasible:
-        lean = replace(st, recompute="full" if "full" in allowed else st.recompute)
+        lean = replace(st, recompute=lean_choice or st.recompute)
         est = pricer.estimate(lean)
         leanest.append((max(mm.peak_bytes for mm in est.memory), lean))
     return sorted(leanest, key=lambda x: x[0])

@@ -22,7 +22,7 @@ from autopar.graph import CapturedModel, Layer
 from autopar.passes.tp_graph import GraphIndex, index_graph, layer_nodes, op_keys
 from autopar.planner.profiles import ModelProfiles
 from autopar.planner.tp_ilp import choose_layer
-from autopar.strategy import Strategy
+from autopar.strategy import Strategy, remat
 
 
 def plan_table(
@@ -82,11 +82,15 @@ def layer_choices(
 
 
 def forward_passes(st: Strategy, blocks: int) -> int:
-    """How often a block's forward runs per micro-batch: 2 when every block recomputes in full,
-    else 1 (a mix is priced as no recompute: the per-operator choice is made once for a block
-    type; the outer model still counts each full block's collectives twice)."""
-    full = all(counts[2] == sum(counts) for counts in st.blocks_per_rank(blocks))
-    return 2 if full else 1
+    """How often a block's forward runs per micro-batch: 2 when every block is checkpointed whole
+    (full or a per-operator policy: its forward runs again in backward), else 1 (a mix is priced
+    as no recompute: the per-operator choice is made once for a block type; the outer model
+    still counts each such block's collectives twice)."""
+    whole = all(
+        sum(n for r, n in zip(st.choices, counts, strict=True) if remat(r)) == sum(counts)
+        for counts in st.blocks_per_rank(blocks)
+    )
+    return 2 if whole else 1
 
 
 def tp_tables(

@@ -55,6 +55,7 @@ from autopar.runtime.steps import (
     apply_recompute,
     apply_tensor_parallel,
     apply_tied_groups,
+    graph_objective,
     tied_names,
 )
 
@@ -86,6 +87,7 @@ def parallelize(
     if st.tp > 1:
         agree_on_rng(mesh["tp"].get_group())  # replicated activations draw the same dropout masks
     stages = apply_capture(model, plan)
+    objective = graph_objective(stages, objective)
     apply_tensor_parallel(stages, plan, mesh["tp"])
     apply_loss_split(stages, plan, objective)
     apply_pipeline_split(stages, plan, mesh)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.graph.objective import LOGITS, Objective, describe, model_loss, objective_of
+from autopar.graph.objective import LOGITS, Objective, describe, model_loss, objective_of, without_cache
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 """loss(model output, tokens) → scalar."""
@@ -38,11 +38,14 @@ def own_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 def resolve_objective(model: nn.Module, loss_fn: LossFn | None) -> tuple[Objective, LossFn]:
     """How ``model`` is fed and its loss taken: ``loss_fn`` on its output for tokens alone where
-    one is given; else its own loss where it computes one (``objective_of``), else ``lm_loss``."""
+    one is given; else its own loss where it computes one (``objective_of``), else ``lm_loss``;
+    with ``use_cache=False`` where the forward takes it (``without_cache``)."""
     if loss_fn is not None:
-        return LOGITS, loss_fn
+        return without_cache(model, LOGITS), loss_fn
     objective = objective_of(model)
-    return (objective, own_loss) if objective.own_loss else (LOGITS, lm_loss)
+    if objective.own_loss:
+        return without_cache(model, objective), own_loss
+    return without_cache(model, LOGITS), lm_loss
 
 
 def tail_loss(loss_graph: nn.Module, kept: int) -> LossFn:

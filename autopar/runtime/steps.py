@@ -8,7 +8,7 @@ pp = 1 the whole graph is the one stage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -71,6 +71,11 @@ def apply_capture(model: nn.Module, plan: Plan) -> Stages:
     return Stages(modules={0: model}) if st.tp == 1 and st.pp == 1 else capture_graph(model, plan)
 
 
+def graph_objective(stages: Stages, objective: Objective) -> Objective:
+    """How the stages are fed: a captured graph has ``use_cache=False`` in it already."""
+    return replace(objective, no_cache=False) if stages.captured is not None else objective
+
+
 def apply_tensor_parallel(stages: Stages, plan: Plan, tp_mesh: Any) -> None:
     """tp > 1: rewrite the captured graph for the TP mesh axis ``tp_mesh`` (``passes.
     tensor_parallel``); the nodes the pass inserts are given the layer of their users."""
@@ -120,7 +125,7 @@ def apply_outline_blocks(stages: Stages) -> None:
 def apply_recompute(stages: Stages, plan: Plan) -> None:
     """Wrap the blocks the plan recomputes (``passes.recompute``)."""
     for module in stages.modules.values():
-        recompute(module, plan.recompute)
+        recompute(module, plan.recompute, plan.strategy.policies)
 
 
 # ---- parameters on several pipeline ranks ---------------------------------------------------

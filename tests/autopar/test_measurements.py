@@ -224,7 +224,7 @@ def test_groups_are_the_meshes_groups() -> None:
 
 
 def test_optimizer_uses_the_dtensor_rate_where_parameters_are_dtensors(profile) -> None:
-    from autopar.cost_models.terms import optimizer_s_per_param
+    from autopar.cost_models.compute import optimizer_s_per_param
 
     cluster = Cluster.preset("cpu").from_profile(compute=compute_profile(profile))
     assert optimizer_s_per_param(cluster, _strategy(zero=0)) == 2e-9

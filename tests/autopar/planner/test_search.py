@@ -15,6 +15,7 @@ from autopar.cli import main
 from autopar.cost_models.estimate import estimate
 from autopar.planner import ModelProfiles, make_plan
 from autopar.planner.layout_ilp import MIP_GAP
+from autopar.planner.recompute_ilp import frontier, recompute_choices
 from autopar.planner.search import outer_strategies
 from autopar.planner.tp_layouts import TPLayouts
 from autopar.strategy import RECOMPUTE, Strategy
@@ -41,20 +42,20 @@ def plan_with(profiles, cluster, *, batch, seq=SEQ, c=None, model="tiny"):
     return make_plan(request, profiles)
 
 
-def _layouts(blocks: int, pp: int, v: int, allowed: tuple[str, ...]):
+def _layouts(blocks: int, pp: int, v: int, allowed: tuple[str, ...], choices: tuple[str, ...] = RECOMPUTE):
     sizes = (
         [[blocks // pp] * pp]
         if v > 1
         else [list(c) for c in itertools.product(range(1, blocks + 1), repeat=pp) if sum(c) == blocks]
     )
-    idx = [RECOMPUTE.index(r) for r in allowed]
+    idx = [choices.index(r) for r in allowed]
     for size in sizes:
         per_rank = []
         for n in size:
             options = []
             for split in itertools.product(range(n + 1), repeat=len(idx)):
                 if sum(split) == n:
-                    counts = [0, 0, 0]
+                    counts = [0] * len(choices)
                     for i, x in zip(idx, split, strict=True):
                         counts[i] = x
                     options.append(tuple(counts))
@@ -75,9 +76,11 @@ def brute_force(profile_at, cluster: Cluster, *, global_batch: int, c: Constrain
             model="tiny", cluster=cluster, global_batch=global_batch, seq=SEQ, constraints=cc
         )
         space |= set(outer_strategies(request, blocks=LAYERS, heads=4))
-    for st in (v for s in space for v in layouts.variants(s)):  # fastest and leanest TP layouts
+    # the per-operator policies the planner finds, each enumerated like none, selective and full
+    allowed, policies = recompute_choices(c.recompute, frontier(profile_at.base, cluster, "bf16"))
+    for st in (replace(v, policies=policies) for s in space for v in layouts.variants(s)):
         prof = profile_at.at(st.micro_batch)
-        for layout in _layouts(LAYERS, st.pp, st.virtual_stages, c.recompute):
+        for layout in _layouts(LAYERS, st.pp, st.virtual_stages, allowed, st.choices):
             chosen = replace(st, layout=layout)
             est = estimate(prof, cluster, chosen, reserve_bytes=c.reserve_bytes, tp_layout=layouts(st))
             if all(m.peak_bytes <= capacity for m in est.memory):
@@ -94,6 +97,11 @@ def _instances():
                 out.append((gpn, nodes, batch, cap_mib, RECOMPUTE))
     out.append((4, 1, 8, 12, ("none", "full")))
     out.append((2, 2, 8, 24, ("full",)))
+    # per-operator policies with none and full where memory binds (the optimum mixes policies,
+    # and full with policies), and policies alone
+    out.append((2, 1, 8, 5, ("none", "sac", "full")))
+    out.append((1, 2, 8, 6, ("none", "sac", "full")))
+    out.append((2, 1, 4, None, ("sac",)))
     return out
 
 

@@ -41,6 +41,8 @@ def _plan(zero: int, micro_batch: int, recompute: str, dtype: str = "fp32") -> s
 
 
 CASES = [(0, 4, "none"), (1, 2, "full"), (2, 1, "none"), (3, 2, "full"), (0, 2, "selective")]
+# per-operator policies (selective activation checkpointing) under DDP and FSDP2
+CASES += [(0, 2, "sac"), (3, 2, "sac")]
 # autocast under DDP, FSDP2 half-precision parameters; fp16 with dynamic loss scaling
 BF16_CASES = [(0, 4, "none", "bf16"), (3, 2, "none", "bf16"), (1, 2, "none", "fp16"), (2, 2, "full", "fp16")]
 

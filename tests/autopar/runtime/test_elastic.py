@@ -80,8 +80,7 @@ def _launch(world: int, plan: Plan, directory: Path, stop: int, out: Path, tag: 
 def test_four_processes_then_two_resume_under_a_new_plan_like_an_uninterrupted_run(tmp_path, capsys) -> None:
     from autopar.cli import main
 
-    with torch.device("meta"):
-        profiles = ModelProfiles.of(tiny_gpt2(), dtype="fp32", seq=SEQ)
+    profiles = ModelProfiles.of(SPEC, dtype="fp32", seq=SEQ)  # as `autopar replan` captures it
     four = _plan(4, profiles, tp=2, pp=1, dp=2, micro_batch=2, recompute=("none",))
     two = _plan(2, profiles)  # what rank 0 plans when the job restarts on 2 processes
     print(f"4 processes: {four.text().splitlines()[0]}\n2 processes: {two.text().splitlines()[0]}")

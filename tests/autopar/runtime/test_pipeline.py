@@ -88,8 +88,12 @@ def test_pp2_every_schedule(tmp_path) -> None:
         _plan(make_gpt4, pp=2, dp=1, tp=1, schedule="1f1b"),
         _plan(make_gpt4, pp=2, dp=1, tp=1, schedule="interleaved", virtual_stages=2),
         _plan(make_gpt4, "bf16", pp=2, dp=1, tp=1, schedule="1f1b"),  # autocast around the schedule
+        # per-operator recompute policies on pipeline stages and on tensor-parallel blocks
+        _plan(make_gpt4, pp=2, dp=1, tp=1, schedule="1f1b", recompute=("sac",)),
+        _plan(make_gpt4, pp=1, dp=1, tp=2, sequence_parallel=True, recompute=("sac",)),
     ]
-    assert [p.strategy.schedule for p in plans] == ["gpipe", "1f1b", "interleaved", "1f1b"]
+    assert [p.strategy.schedule for p in plans][:4] == ["gpipe", "1f1b", "interleaved", "1f1b"]
+    assert all(r.startswith("sac") for p in plans[4:] for r in p.recompute.values())
     _run_and_check(make_gpt4, plans, tmp_path)
 
 

@@ -1,0 +1,71 @@
+"""Bytes a block keeps for backward, measured: what its autograd graph holds after the forward.
+
+``retained_bytes(forward, inputs)`` runs ``forward`` on fresh inputs under a dispatch mode that
+takes a weak reference to the storage of every tensor an operator makes, drops every reference
+it holds but the output, and sums the storages still alive: exactly what autograd saved (and,
+under checkpointing, what the checkpoint kept: its input and a selective policy's cached
+outputs). It measures every recompute choice the same way, on any device, with real tensors.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(x)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+class _Storages(TorchDispatchMode):
+    """Weak references to every storage an operator makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+
+    def track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        known = self.refs.get(storage._cdata)
+        if known is None or known() is None:  # a freed storage's address may be reused
+            self.refs[storage._cdata] = weakref.ref(storage)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        read = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+        for t in _tensors(out):  # new storage only (a view of a parameter is the parameter)
+            if t.untyped_storage()._cdata not in read:
+                self.track(t)
+        return out
+
+
+Inputs = Callable[[], tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]]
+"""Makes a fresh (input, other args, kwargs) for one forward: the input's storage counts when
+the block keeps it; the other arguments (position tables, masks) are shared and do not."""
+
+
+def retained_bytes(forward: Callable[..., Any], inputs: Inputs) -> int:
+    """Bytes of the storages that ``forward(x, *args, **kwargs)``'s autograd graph keeps alive
+    for backward, the input ``x`` included where it is kept, the output excluded."""
+    mode = _Storages()
+    x, args, kwargs = inputs()
+    mode.track(x)
+    with mode:
+        out = forward(x, *args, **kwargs)
+    del x
+    outputs = {t.untyped_storage()._cdata for t in _tensors(out)}
+    gc.collect()
+    alive = (ref() for key, ref in mode.refs.items() if key not in outputs)
+    total = sum(s.nbytes() for s in alive if s is not None)
+    del out, args, kwargs
+    return total
+
+
+__all__ = ["Inputs", "retained_bytes"]
