@@ -19,7 +19,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models import closed_forms
 from autopar.cost_models.estimate import Estimate
 from autopar.planner import ModelProfiles, Pricer
-from autopar.strategy import Strategy
+from autopar.strategy import RecomputePolicy, Strategy
 from autopar.zoo.gpt import GPT, GPTConfig
 
 
@@ -139,8 +139,9 @@ RUNS: tuple[PublishedRun, ...] = (
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryRun:
-    """A published peak memory, for a recompute policy autopar does not price yet: the measured
-    peak must lie between autopar's predictions with no recompute and with full recompute."""
+    """A published peak memory: the measured peak must lie between autopar's predictions with
+    no recompute and with full recompute, and where the run's recompute policy is a per-operator
+    one autopar can state (``keep``), it is also priced as run."""
 
     name: str
     source: str
@@ -152,7 +153,14 @@ class MemoryRun:
     measured_gib: float
     policy: str
     """The recompute policy the run used."""
+    keep: tuple[str, ...] = ()
+    """That policy as the calls each block keeps (``op#k``, ``RecomputePolicy.keep``), if stated."""
 
+
+TORCHTITAN_OP_SAC = ("mm#0", "mm#2", "sdpa#0", "mm#4", "mm#6")
+"""torchtitan's per-op selective AC on a Llama block (``_apply_op_sac``): every matmul output
+but every second one (wq and wv kept, wk and wo recomputed; w1 and w2 kept, w3 recomputed), and
+the attention kernel's outputs; everything else recomputed."""
 
 MEMORY_RUNS: tuple[MemoryRun, ...] = (
     MemoryRun(
@@ -164,6 +172,18 @@ MEMORY_RUNS: tuple[MemoryRun, ...] = (
         strategy=Strategy(dp=8, zero=3, micro_batch=2, global_batch=16, seq=8192),
         measured_gib=82.4,
         policy="per-op selective checkpointing",
+        keep=TORCHTITAN_OP_SAC,
+    ),
+    MemoryRun(
+        name="llama3.1-8b 128×H100-500W FSDP128 mb2",
+        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md",
+        model="llama3-8b",
+        cluster="h100-96g-500w",
+        nodes=16,
+        strategy=Strategy(dp=128, zero=3, micro_batch=2, global_batch=256, seq=8192),
+        measured_gib=67.0,
+        policy="per-op selective checkpointing",
+        keep=TORCHTITAN_OP_SAC,
     ),
 )
 
@@ -203,11 +223,20 @@ def predict(run: PublishedRun, profiles: ModelProfiles | None = None) -> tuple[f
     return flops / est.step_time_s / st.world_size / 1e12, est
 
 
-def memory_bracket(run: MemoryRun) -> tuple[float, float]:
-    """(peak GiB with no recompute, with full recompute) for ``run``: the largest stage's."""
-    pricer = Pricer(profiles_of(run), Cluster.preset(run.cluster, nodes=run.nodes), dtype="bf16")
-    peaks = []
-    for recompute in ("none", "full"):
-        est = pricer.estimate(dataclasses.replace(run.strategy, recompute=recompute))
+def memory_bracket(run: MemoryRun) -> tuple[float, float, float | None]:
+    """(peak GiB with no recompute, with full recompute, with the run's own per-operator policy
+    where it states one) for ``run``: the largest stage's."""
+    profiles = profiles_of(run)
+    pricer = Pricer(profiles, Cluster.preset(run.cluster, nodes=run.nodes), dtype="bf16")
+    block = profiles.base.layer_types[profiles.base.layers[1]]
+    own = RecomputePolicy(name="sac1", keep=run.keep, calls=sum(c.keepable for c in block.calls))
+    peaks: list[float | None] = []
+    for recompute, policies in (("none", ()), ("full", ()), ("sac1", (own,))):
+        if recompute == "sac1" and not run.keep:
+            peaks.append(None)
+            continue
+        est = pricer.estimate(dataclasses.replace(run.strategy, recompute=recompute, policies=policies))
         peaks.append(max(m.peak_bytes for m in est.memory) / 2**30)
-    return peaks[0], peaks[1]
+    none, full, policy = peaks
+    assert none is not None and full is not None
+    return none, full, policy
