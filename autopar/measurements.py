@@ -55,6 +55,9 @@ class LayerTiming:
     peak_bytes: int | None
     """Allocator peak above the layer's inputs and weights during forward + backward (GPU);
     None where the device has no allocator statistics (CPU)."""
+    call_bytes: tuple[tuple[str, int], ...] = ()
+    """Blocks: the bytes each forward call (``op#k``) makes its outputs own, measured (what a
+    per-operator recompute policy that keeps it holds, ``measure.saved.call_bytes``)."""
 
     def __post_init__(self) -> None:
         assert self.micro_batch >= 1 and self.tp >= 1, self
@@ -149,7 +152,12 @@ class ComputeProfile:
                 **{
                     **d,
                     "layer_params": tuple((str(k), int(v)) for k, v in d["layer_params"]),
-                    "layers": tuple(LayerTiming(**x) for x in d["layers"]),
+                    "layers": tuple(
+                        LayerTiming(
+                            **{**x, "call_bytes": tuple((str(k), int(n)) for k, n in x.get("call_bytes", ()))}
+                        )
+                        for x in d["layers"]
+                    ),
                 }
             )
         except (TypeError, KeyError, AssertionError) as e:

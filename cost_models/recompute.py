@@ -18,6 +18,8 @@ by t except the stream's bytes, as in ``compute.layer_forward_s``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from autopar.cluster import DeviceSpec
 from autopar.cost_models.profile import CallCost, LayerCost
 
@@ -29,10 +31,27 @@ def output_share(placement: str, *, tp: int, sp: bool) -> float:
     return 1.0
 
 
-def kept_bytes(layer: LayerCost, keep: frozenset[str], *, tp: int, sp: bool, input_bytes: float) -> float:
+def kept_bytes(
+    layer: LayerCost,
+    keep: frozenset[str],
+    *,
+    tp: int,
+    sp: bool,
+    input_bytes: float,
+    measured: Mapping[str, int] | None = None,
+) -> float:
     """Bytes one block keeps for backward per micro-batch on one GPU under a policy keeping the
-    calls ``keep`` (``op#k`` names): its input (÷t under SP) plus the kept outputs."""
-    kept = sum(c.out_bytes * output_share(c.placement, tp=tp, sp=sp) for c in layer.calls if c.key in keep)
+    calls ``keep`` (``op#k`` names): its input (÷t under SP) plus the kept outputs, each as
+    ``measured`` on one GPU at this width where given (``autopar profile``), else captured (the
+    block's output costs nothing either way: the next block keeps it as its input)."""
+    measured = measured or {}
+    kept = sum(
+        measured[c.key]
+        if c.key in measured and c.out_bytes
+        else c.out_bytes * output_share(c.placement, tp=tp, sp=sp)
+        for c in layer.calls
+        if c.key in keep
+    )
     return input_bytes / (tp if sp else 1) + kept
 
 
@@ -73,15 +92,16 @@ def policy_costs(
     stream_share: float,
     input_bytes: float,
     measured_fwd_s: float | None,
+    measured_bytes: Mapping[str, int] | None = None,
 ) -> tuple[float, float, float]:
     """(recompute seconds, bytes kept, recompute FLOPs) of one block per micro-batch under the
     policy keeping ``keep``. With a measured forward, the recompute time is that forward times
-    the roofline's share of it the policy redoes."""
+    the roofline's share of it the policy redoes; with measured call bytes, those are kept."""
     redo = recompute_s(layer, keep, device, dtype, tp=tp, stream_share=stream_share)
     if measured_fwd_s is not None:
         whole = recompute_s(layer, frozenset(), device, dtype, tp=tp, stream_share=stream_share)
         redo = measured_fwd_s * redo / whole if whole else 0.0
-    act = kept_bytes(layer, keep, tp=tp, sp=sp, input_bytes=input_bytes)
+    act = kept_bytes(layer, keep, tp=tp, sp=sp, input_bytes=input_bytes, measured=measured_bytes)
     return redo, act, recompute_flops(layer, keep)
 
 

@@ -27,7 +27,7 @@ from autopar.cost_models.memory import (
 )
 from autopar.cost_models.profile import LayerCost, ModelProfile
 from autopar.errors import AutoparError
-from autopar.measurements import ComputeProfile
+from autopar.measurements import ComputeProfile, LayerTiming
 from autopar.strategy import Strategy, remat
 
 GRAD_REDUCE_BYTES = {"bf16": 4, "fp16": 2, "fp32": 4}
@@ -255,7 +255,7 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     share = chosen.stream_share if chosen is not None else None
     fwd = got.forward_s if got else layer_forward_s(lc, ctx.device, st.dtype, tp=t, sp=sp, stream_share=share)
     tp_fwd, tp_bwd = _tp_phases_s(ctx, name, lc, chosen)
-    redo_s, act, redo_flops = _redone(ctx, lc, choice, fwd, stream_share=share, measured=got is not None)
+    redo_s, act, redo_flops = _redone(ctx, lc, choice, fwd, stream_share=share, measured=got)
     whole_block = choice == "full" or st.policy(choice) is not None  # its forward's collectives again
     return Unit(
         fwd_s=fwd,
@@ -273,14 +273,20 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
 
 
 def _redone(
-    ctx: _UnitContext, lc: LayerCost, choice: str, fwd_s: float, *, stream_share: float | None, measured: bool
+    ctx: _UnitContext,
+    lc: LayerCost,
+    choice: str,
+    fwd_s: float,
+    *,
+    stream_share: float | None,
+    measured: LayerTiming | None,
 ) -> tuple[float, float, float]:
     """(recompute seconds, activation bytes kept, recompute FLOPs) of one layer per micro-batch.
 
     none, selective, full: ``memory.layer_activation_bytes``; selective redoes the attention
     core's FLOPs, full the forward. A per-operator policy: ``cost_models.recompute``, its
     recompute time a share of a measured forward where the cluster has one (the roofline's
-    share of the calls it redoes)."""
+    share of the calls it redoes), its kept bytes as measured where the profile has them."""
     st, input_bytes = ctx.st, ctx.profile.input_bytes
     t, sp = st.tp, st.sequence_parallel
     policy = st.policy(choice)
@@ -298,6 +304,7 @@ def _redone(
         stream_share=stream_share if stream_share is not None else (1 / t if sp else 1.0),
         input_bytes=input_bytes,
         measured_fwd_s=fwd_s if measured else None,
+        measured_bytes=dict(measured.call_bytes) if measured else None,
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -29,7 +30,8 @@ from torch import fx, nn
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.graph.objective import LOGITS, Objective, objective_of
-from autopar.measure.timing import next_token_loss, optimizer_s_per_param, time_layer
+from autopar.measure.saved import call_bytes
+from autopar.measure.timing import forward_once, next_token_loss, optimizer_s_per_param, time_layer
 from autopar.measurements import ComputeProfile, LayerTiming
 from autopar.passes.loss_split import split_loss
 from autopar.planner.profiles import ModelProfiles
@@ -189,6 +191,11 @@ class _Session:
         for role, stage in stages.items():
             self.tick(f"{kinds[role]} micro-batch {b} tp {t}{' sp' if sp else ''}")
             _materialise(stage, self.dev)
+            calls = (
+                call_bytes(functools.partial(forward_once, stage, inputs, self.half))
+                if role == "block"
+                else {}
+            )
             parts, inputs = time_layer(
                 stage,
                 inputs,
@@ -208,6 +215,7 @@ class _Session:
                     backward_s=parts.backward_s,
                     saved_bytes=parts.saved_bytes,
                     peak_bytes=parts.peak_bytes,
+                    call_bytes=tuple(calls.items()),
                 )
             )
             self.done += 1

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
+
+from autopar.graph.dispatch import DispatchCall, dispatch_call, ignored, numbered
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -46,6 +48,37 @@ class _Storages(TorchDispatchMode):
         return out
 
 
+class _Calls(TorchDispatchMode):
+    """Each call's operator and the bytes of the storage its outputs own (``graph.dispatch``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[DispatchCall] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not ignored(func):
+            local = tree_map(_local, (args, kwargs, out))
+            self.calls.append(dispatch_call(func, local[0], local[1], local[2], 0))
+        return out
+
+
+def _local(x: Any) -> Any:
+    """A DTensor's local shard (the bytes this rank holds); anything else as it is."""
+    return x.to_local() if hasattr(x, "to_local") else x
+
+
+def call_bytes(run: Callable[[], Any]) -> dict[str, int]:
+    """Bytes each call of one forward ``run()`` makes its outputs own, by ``op#k`` (the k-th call
+    of operator ``op``, as a per-operator recompute policy names it): what keeping it costs."""
+    mode = _Calls()
+    with mode:
+        run()
+    keys = numbered(mode.calls)
+    return {k: c.out_bytes for k, c in zip(keys, mode.calls, strict=True) if c.keepable}
+
+
 Inputs = Callable[[], tuple[torch.Tensor, tuple[Any, ...], dict[str, Any]]]
 """Makes a fresh (input, other args, kwargs) for one forward: the input's storage counts when
 the block keeps it; the other arguments (position tables, masks) are shared and do not."""
@@ -68,4 +101,4 @@ def retained_bytes(forward: Callable[..., Any], inputs: Inputs) -> int:
     return total
 
 
-__all__ = ["Inputs", "retained_bytes"]
+__all__ = ["Inputs", "call_bytes", "retained_bytes"]

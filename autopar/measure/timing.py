@@ -101,6 +101,12 @@ def _forward(
     return out
 
 
+def forward_once(stage: nn.Module, inputs: Sequence[torch.Tensor], half: torch.dtype | None) -> Any:
+    """One forward of a (non-head) stage on fresh copies of ``inputs``, as ``time_layer`` runs it."""
+    xs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+    return _forward(stage, xs, None, half, None)
+
+
 def _backward(out: Any, loss: Callable[[Any], torch.Tensor] | None) -> None:
     """The loss's backward (the head), or a random gradient on every output that needs one."""
     if loss is not None:
@@ -214,4 +220,4 @@ def optimizer_s_per_param(
     return statistics.median(times) / local
 
 
-__all__ = ["FLUSH_BYTES", "LayerTimingParts", "optimizer_s_per_param", "time_layer"]
+__all__ = ["FLUSH_BYTES", "LayerTimingParts", "forward_once", "optimizer_s_per_param", "time_layer"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -87,6 +88,29 @@ def test_profile_measures_every_layer_type_width_and_batch(profiled) -> None:
     assert measured[1, False] == pytest.approx(analytic, rel=0.05)
     # at this size the per-operator ILP may keep the block whole at tp 2 (sharding does not pay)
     assert measured[2, False] <= measured[1, False]
+    _check_call_bytes(prof, block, model)
+
+
+def _check_call_bytes(prof, block, model) -> None:
+    """The bytes each call of the block keeps, measured, equal the capture's at tp 1; a profiled
+    cluster prices a per-operator policy with them (its activations: input + the kept calls)."""
+    from autopar import Cluster
+    from autopar.cost_models.terms import layer_units
+    from autopar.strategy import RecomputePolicy, Strategy
+
+    timing = next(t for t in prof.layers if (t.layer_type, t.micro_batch, t.tp) == ("Block", 2, 1))
+    calls = dict(timing.call_bytes)
+    captured = {c.key: c.out_bytes for c in block.calls if c.keepable and c.out_bytes}  # not the output
+    assert captured and {k: calls[k] for k in captured} == captured, (calls, captured)
+    keep = tuple(k for k in calls if k.startswith(("addmm", "mm")))[:2]
+    policy = RecomputePolicy(name="sac1", keep=keep, calls=len(calls))
+    st = Strategy(micro_batch=2, global_batch=2, seq=SEQ, dtype="fp32", policies=(policy,))
+    # a profile whose measured bytes differ from the capture's: those are what the unit keeps
+    doubled = dataclasses.replace(timing, call_bytes=tuple((k, 2 * n) for k, n in calls.items()))
+    other = dataclasses.replace(prof, layers=tuple(doubled if t is timing else t for t in prof.layers))
+    cluster = Cluster.preset("cpu", gpus_per_node=1).from_profile(compute=other)
+    units = layer_units(ModelProfiles.of(model, dtype="fp32", seq=SEQ).at(2), cluster, st)[0]
+    assert units["sac1"].act_bytes == 2 * SEQ * 64 * 4 + sum(2 * calls[k] for k in keep)
 
 
 def test_plan_from_measurements_and_a_mismatched_model(profiled, work, capsys) -> None:
