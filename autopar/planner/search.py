@@ -42,7 +42,7 @@ from autopar.planner.layout_ilp import fits_somehow, max_blocks, solve_layout
 from autopar.planner.pricing import Pricer
 from autopar.planner.recompute_ilp import recompute_choices
 from autopar.request import Constraints, PlanRequest
-from autopar.strategy import RECOMPUTE, Strategy, remat
+from autopar.strategy import RECOMPUTE, RecomputePolicy, Strategy, remat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,8 +117,11 @@ def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> l
     return out
 
 
-def outer_strategies(request: PlanRequest, *, blocks: int, heads: int | None) -> list[Strategy]:
-    """Every outer choice allowed by the model, the cluster and the constraints."""
+def outer_strategies(
+    request: PlanRequest, *, blocks: int, heads: int | None, policies: tuple[RecomputePolicy, ...] = ()
+) -> list[Strategy]:
+    """Every outer choice allowed by the model, the cluster and the constraints (each carrying
+    the per-operator recompute ``policies`` its layout may use)."""
     c = request.constraints
     out = []
     for tp, pp, dp in _degrees(request, blocks, heads):
@@ -153,6 +156,7 @@ def outer_strategies(request: PlanRequest, *, blocks: int, heads: int | None) ->
                         sequence_parallel=sp,
                         dtype=request.dtype,
                         tp_objective=c.tp_objective or "time",
+                        policies=policies,
                     )
                 )
     return measured_first(request.cluster, out)
@@ -288,9 +292,7 @@ def _candidates(request: PlanRequest, pricer: Pricer) -> tuple[tuple[str, ...], 
     c, base = request.constraints, pricer.profiles.base
     wants = any(r not in RECOMPUTE for r in c.recompute)  # per-operator policies allowed
     allowed, policies = recompute_choices(c.recompute, pricer.policies if wants else ())
-    strategies = outer_strategies(request, blocks=base.blocks, heads=base.heads)
-    if policies:
-        strategies = [replace(st, policies=policies) for st in strategies]
+    strategies = outer_strategies(request, blocks=base.blocks, heads=base.heads, policies=policies)
     if c.tp_objective is None:  # fastest and leanest TP layouts
         strategies = [v for st in strategies for v in pricer.layouts.variants(st)]
     return allowed, strategies
