@@ -18,6 +18,21 @@ import yaml
 
 from autopar.errors import ClusterSpecError
 from autopar.measurements import CommProfile, ComputeProfile, load_comm, load_compute
+from autopar.spec_fields import (
+    check,
+    check_positive,
+    check_positive_int,
+    deep_merge,
+    is_number,
+    mapping,
+    number,
+    positive_int,
+    quantity,
+    quantity_of,
+    reject_unknown,
+    require,
+    string,
+)
 from autopar.units import parse_quantity
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
@@ -37,30 +52,43 @@ class DeviceSpec:
     """Device-memory bandwidth in bytes/s (roofline's memory roof)."""
     matmul_efficiency: float
     """Achievable fraction of peak on a training step's matmuls, in (0, 1] (calibrated)."""
+    attention_efficiency: float | None = None
+    """Achievable fraction of peak in fused attention kernels (``scaled_dot_product_attention``'s
+    flash / memory-efficient / cuDNN kernels), in (0, 1]; None: ``matmul_efficiency``."""
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.name, str) and self.name != "", "device.name", "a non-empty string")
-        _check_positive(self.memory_bytes, "device.memory_bytes")
-        _check(isinstance(self.peak_flops, Mapping), "device.peak_flops", "a mapping dtype → FLOP/s")
-        _check("bf16" in self.peak_flops, "device.peak_flops.bf16", "a positive FLOP/s value")
+        check(isinstance(self.name, str) and self.name != "", "device.name", "a non-empty string")
+        check_positive(self.memory_bytes, "device.memory_bytes")
+        check(isinstance(self.peak_flops, Mapping), "device.peak_flops", "a mapping dtype → FLOP/s")
+        check("bf16" in self.peak_flops, "device.peak_flops.bf16", "a positive FLOP/s value")
         for dtype, flops in self.peak_flops.items():
-            _check(dtype in DTYPES, f"device.peak_flops.{dtype}", f"a dtype among {DTYPES}")
-            _check_positive(flops, f"device.peak_flops.{dtype}")
-        _check_positive(self.hbm_bandwidth_bytes_per_s, "device.hbm_bandwidth_bytes_per_s")
-        _check(
-            _is_number(self.matmul_efficiency) and 0 < self.matmul_efficiency <= 1,
+            check(dtype in DTYPES, f"device.peak_flops.{dtype}", f"a dtype among {DTYPES}")
+            check_positive(flops, f"device.peak_flops.{dtype}")
+        check_positive(self.hbm_bandwidth_bytes_per_s, "device.hbm_bandwidth_bytes_per_s")
+        check(
+            is_number(self.matmul_efficiency) and 0 < self.matmul_efficiency <= 1,
             "device.matmul_efficiency",
             "a fraction in (0, 1]",
             self.matmul_efficiency,
         )
+        check(
+            self.attention_efficiency is None
+            or (is_number(self.attention_efficiency) and 0 < self.attention_efficiency <= 1),
+            "device.attention_efficiency",
+            "a fraction in (0, 1] (or absent: the matmul efficiency)",
+            self.attention_efficiency,
+        )
 
-    def achievable_flops(self, dtype: str) -> float:
-        """Large-matmul FLOP/s for ``dtype``: peak × matmul_efficiency."""
+    def achievable_flops(self, dtype: str, *, attention: bool = False) -> float:
+        """Large-matmul FLOP/s for ``dtype``: peak × matmul_efficiency; with ``attention``, a fused
+        attention kernel's: peak × attention_efficiency (where the device states one)."""
         if dtype not in self.peak_flops:
             raise ClusterSpecError(
                 f"device {self.name} has no peak FLOP/s for {dtype}; "
                 f"it has {sorted(self.peak_flops)} (add device.peak_flops.{dtype})"
             )
+        if attention and self.attention_efficiency is not None:
+            return self.peak_flops[dtype] * self.attention_efficiency
         return self.peak_flops[dtype] * self.matmul_efficiency
 
 
@@ -74,9 +102,9 @@ class LinkSpec:
     """Per-message latency (alpha) in seconds; >= 0."""
 
     def __post_init__(self) -> None:
-        _check_positive(self.bandwidth_bytes_per_s, "bandwidth_bytes_per_s")
-        _check(
-            _is_number(self.latency_s) and self.latency_s >= 0,
+        check_positive(self.bandwidth_bytes_per_s, "bandwidth_bytes_per_s")
+        check(
+            is_number(self.latency_s) and self.latency_s >= 0,
             "latency_s",
             "a number >= 0",
             self.latency_s,
@@ -107,9 +135,9 @@ class Cluster:
     link model for the collectives and group sizes measured."""
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.name, str) and self.name != "", "name", "a non-empty string")
-        _check_positive_int(self.num_nodes, "num_nodes")
-        _check_positive_int(self.gpus_per_node, "gpus_per_node")
+        check(isinstance(self.name, str) and self.name != "", "name", "a non-empty string")
+        check_positive_int(self.num_nodes, "num_nodes")
+        check_positive_int(self.gpus_per_node, "gpus_per_node")
 
     @property
     def world_size(self) -> int:
@@ -141,33 +169,36 @@ class Cluster:
                 raise ClusterSpecError(
                     f"preset: unknown cluster preset {preset!r}; expected one of {', '.join(PRESETS)}"
                 )
-            data = _deep_merge(PRESETS[preset](data.get("gpus_per_node")).to_dict(), data)
+            data = deep_merge(PRESETS[preset](data.get("gpus_per_node")).to_dict(), data)
         try:
-            _reject_unknown(data, _CLUSTER_FIELDS, "")
-            device = _mapping(_require(data, "device", ""), "device")
-            _reject_unknown(device, _DEVICE_FIELDS, "device.")
-            peak = _mapping(_require(device, "peak_flops", "device."), "device.peak_flops")
+            reject_unknown(data, _CLUSTER_FIELDS, "")
+            device = mapping(require(data, "device", ""), "device")
+            reject_unknown(device, _DEVICE_FIELDS, "device.")
+            peak = mapping(require(device, "peak_flops", "device."), "device.peak_flops")
             return cls(
-                name=_str(data.get("name", "custom"), "name"),
-                num_nodes=_int(_require(data, "num_nodes", ""), "num_nodes"),
-                gpus_per_node=_int(_require(data, "gpus_per_node", ""), "gpus_per_node"),
+                name=string(data.get("name", "custom"), "name"),
+                num_nodes=positive_int(require(data, "num_nodes", ""), "num_nodes"),
+                gpus_per_node=positive_int(require(data, "gpus_per_node", ""), "gpus_per_node"),
                 device=DeviceSpec(
-                    name=_str(_require(device, "name", "device."), "device.name"),
-                    memory_bytes=int(_quantity(device, "memory_bytes", "bytes", "device.", "80 GB")),
+                    name=string(require(device, "name", "device."), "device.name"),
+                    memory_bytes=int(quantity(device, "memory_bytes", "bytes", "device.", "80 GB")),
                     peak_flops={
-                        str(k): _q(v, "flops", f"device.peak_flops.{k}", "989 TFLOP/s")
+                        str(k): quantity_of(v, "flops", f"device.peak_flops.{k}", "989 TFLOP/s")
                         for k, v in peak.items()
                     },
-                    hbm_bandwidth_bytes_per_s=_quantity(
+                    hbm_bandwidth_bytes_per_s=quantity(
                         device, "hbm_bandwidth_bytes_per_s", "bytes_per_s", "device.", "3.35 TB/s"
                     ),
-                    matmul_efficiency=_number(
-                        _require(device, "matmul_efficiency", "device."),
+                    matmul_efficiency=number(
+                        require(device, "matmul_efficiency", "device."),
                         "device.matmul_efficiency",
                     ),
+                    attention_efficiency=None
+                    if device.get("attention_efficiency") is None
+                    else number(device["attention_efficiency"], "device.attention_efficiency"),
                 ),
-                intra_node=_link(_require(data, "intra_node", ""), "intra_node"),
-                inter_node=_link(_require(data, "inter_node", ""), "inter_node"),
+                intra_node=_link(require(data, "intra_node", ""), "intra_node"),
+                inter_node=_link(require(data, "inter_node", ""), "inter_node"),
                 compute_profile=_profile(data.get("compute_profile"), load_compute, ComputeProfile),
                 comm_profile=_profile(data.get("comm_profile"), load_comm, CommProfile),
             )
@@ -272,74 +303,11 @@ _DEVICE_FIELDS = {f.name for f in dataclasses.fields(DeviceSpec)}
 _LINK_FIELDS = {f.name for f in dataclasses.fields(LinkSpec)}
 
 
-def _is_number(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-def _check(ok: bool, field: str, expected: str, got: object = dataclasses.MISSING) -> None:
-    if not ok:
-        suffix = "" if got is dataclasses.MISSING else f", got {got!r}"
-        raise ClusterSpecError(f"{field}: expected {expected}{suffix}")
-
-
-def _check_positive(x: object, field: str) -> None:
-    _check(_is_number(x) and x > 0, field, "a positive number", x)  # type: ignore[operator]
-
-
-def _check_positive_int(x: object, field: str) -> None:
-    _check(isinstance(x, int) and not isinstance(x, bool) and x > 0, field, "a positive integer", x)
-
-
-def _require(d: Mapping[str, Any], key: str, prefix: str) -> Any:
-    if key not in d:
-        raise ClusterSpecError(f"{prefix}{key}: missing (required field)")
-    return d[key]
-
-
-def _reject_unknown(d: Mapping[str, Any], known: set[str], prefix: str) -> None:
-    unknown = sorted(set(d) - known - {"preset"})
-    if unknown:
-        raise ClusterSpecError(
-            f"{prefix}{unknown[0]}: unknown field; expected one of {', '.join(sorted(known))}"
-        )
-
-
-def _mapping(x: object, field: str) -> Mapping[str, Any]:
-    _check(isinstance(x, Mapping), field, "a mapping of fields", x)
-    return x  # type: ignore[return-value]
-
-
-def _str(x: object, field: str) -> str:
-    _check(isinstance(x, str), field, "a string", x)
-    return x  # type: ignore[return-value]
-
-
-def _int(x: object, field: str) -> int:
-    _check_positive_int(x, field)
-    return x  # type: ignore[return-value]
-
-
-def _number(x: object, field: str) -> float:
-    _check(_is_number(x), field, "a number", x)
-    return float(x)  # type: ignore[arg-type]
-
-
-def _q(x: object, kind: str, field: str, example: str) -> float:
-    try:
-        return parse_quantity(x, kind, field)
-    except ValueError as e:
-        raise ClusterSpecError(f"{e} (e.g. {example!r})") from None
-
-
-def _quantity(d: Mapping[str, Any], key: str, kind: str, prefix: str, example: str) -> float:
-    return _q(_require(d, key, prefix), kind, prefix + key, example)
-
-
 def _link(x: object, field: str) -> LinkSpec:
-    d = _mapping(x, field)
-    _reject_unknown(d, _LINK_FIELDS, f"{field}.")
-    bw = _quantity(d, "bandwidth_bytes_per_s", "bytes_per_s", f"{field}.", "400 GB/s")
-    lat = parse_quantity(_require(d, "latency_s", f"{field}."), "seconds", f"{field}.latency_s")
+    d = mapping(x, field)
+    reject_unknown(d, _LINK_FIELDS, f"{field}.")
+    bw = quantity(d, "bandwidth_bytes_per_s", "bytes_per_s", f"{field}.", "400 GB/s")
+    lat = parse_quantity(require(d, "latency_s", f"{field}."), "seconds", f"{field}.latency_s")
     try:
         return LinkSpec(bandwidth_bytes_per_s=bw, latency_s=lat)
     except ClusterSpecError as e:
@@ -352,17 +320,7 @@ def _profile(x: object, load: Callable[[str], Any], cls: Any) -> Any:
         return None
     if isinstance(x, str):
         return load(x)
-    return cls.from_dict(_mapping(x, cls.__name__))
-
-
-def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in override.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
+    return cls.from_dict(mapping(x, cls.__name__))
 
 
 # ---- presets ---------------------------------------------------------------
@@ -383,6 +341,11 @@ def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, 
 # and H200 take the same fraction (no published run listed to calibrate them).
 # Latencies (5 µs NVLink, 10 µs IB per message) are assumptions, not
 # measurements: `autopar profile-comm` replaces them with fitted values.
+# attention_efficiency: PyTorch's scaled_dot_product_attention runs FlashAttention-2 kernels,
+# which reach 50–73% of peak on A100 (Dao 2023, FlashAttention-2 §4.1: up to 225 TFLOP/s of
+# 312 forward + backward), i.e. about the matmul efficiency (left unset there), but "only 35%
+# utilization on the H100" (Shah et al. 2024, FlashAttention-3, abstract): 0.35 on H100 and
+# H200 (the same SMs). A measured profile replaces it with the layer's own times.
 
 #
 # h100-96g-500w: H100 with 96 GB HBM2e capped at 500 W, as in Meta's Grand Teton nodes on which
@@ -396,6 +359,7 @@ def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, 
 _POWER_CAP = 500 / 700
 
 MATMUL_EFFICIENCY = 0.70
+HOPPER_FLASH_ATTENTION_EFFICIENCY = 0.35
 _NVLINK_LATENCY_S = 5e-6
 _IB_LATENCY_S = 10e-6
 
@@ -408,6 +372,7 @@ def _dgx(
     hbm_tb_s: float,
     nvlink_gb_s: float,
     ib_gb_s: float,
+    attention_efficiency: float | None = None,
 ) -> Callable[[int | None], Cluster]:
     fp32, tf32, bf16 = peaks_tflops
 
@@ -427,6 +392,7 @@ def _dgx(
                 },
                 hbm_bandwidth_bytes_per_s=hbm_tb_s * 1e12,
                 matmul_efficiency=MATMUL_EFFICIENCY,
+                attention_efficiency=attention_efficiency,
             ),
             intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink_gb_s * 1e9, latency_s=_NVLINK_LATENCY_S),
             inter_node=LinkSpec(bandwidth_bytes_per_s=ib_gb_s * 1e9, latency_s=_IB_LATENCY_S),
@@ -464,8 +430,12 @@ def _cpu(gpus_per_node: int | None) -> Cluster:
 PRESETS: dict[str, Callable[[int | None], Cluster]] = {
     "dgx-a100-40g": _dgx("dgx-a100-40g", "A100-SXM4-40GB", 40, (19.5, 156, 312), 1.555, 230, 200),
     "dgx-a100-80g": _dgx("dgx-a100-80g", "A100-SXM4-80GB", 80, (19.5, 156, 312), 2.039, 230, 200),
-    "dgx-h100": _dgx("dgx-h100", "H100-SXM5-80GB", 80, (67, 494.5, 989), 3.35, 370, 400),
-    "dgx-h200": _dgx("dgx-h200", "H200-SXM-141GB", 141, (67, 494.5, 989), 4.8, 370, 400),
+    "dgx-h100": _dgx(
+        "dgx-h100", "H100-SXM5-80GB", 80, (67, 494.5, 989), 3.35, 370, 400, HOPPER_FLASH_ATTENTION_EFFICIENCY
+    ),
+    "dgx-h200": _dgx(
+        "dgx-h200", "H200-SXM-141GB", 141, (67, 494.5, 989), 4.8, 370, 400, HOPPER_FLASH_ATTENTION_EFFICIENCY
+    ),
     "h100-96g-500w": _dgx(
         "h100-96g-500w",
         "H100-96GB-HBM2e-500W",
@@ -474,6 +444,7 @@ PRESETS: dict[str, Callable[[int | None], Cluster]] = {
         2.4,
         370,
         400,
+        HOPPER_FLASH_ATTENTION_EFFICIENCY,
     ),
     "cpu": _cpu,
 }

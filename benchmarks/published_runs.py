@@ -34,8 +34,7 @@ def main() -> int:
             f"{run.name:40s} predicted {predicted:8.2f}  published {run.measured:8.2f} "
             f"{UNITS[run.metric]:24s} error {100 * err:+6.1f}%   [{run.source}]"
         )
-        if run.in_sample:
-            print(f"{'':40s} in sample: {run.in_sample}")
+        print(f"{'':40s} {'in sample: ' + run.in_sample if run.in_sample else 'held out'}")
     median, worst = statistics.median(errors), max(errors)
     ok = median <= 0.10 and worst <= 0.25
     print(

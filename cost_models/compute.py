@@ -7,7 +7,9 @@ FLOP/s = peak(dtype) × matmul_efficiency of the device. Under tensor
 parallelism t every op's FLOPs and its sharded tensors' bytes divide by t;
 ops on the residual stream (norms, residual adds) are replicated unless
 sequence parallelism splits them too (Korthikanti et al. 2022, §4.2.2).
-Backward ≈ 2× forward (Narayanan et al. SC'21, §3.5) unless measured.
+Backward ≈ 2× forward (Narayanan et al. SC'21, §3.5) unless measured, but for fused
+attention kernels: they run at the device's attention efficiency (``DeviceSpec``), and their
+backward recomputes the scores, 5 matmuls to the forward's 2 (``FLASH_BACKWARD_RATIO``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models.profile import LayerCost
 from autopar.strategy import Strategy
 
+FLASH_BACKWARD_RATIO = 2.5
+"""Backward ÷ forward FLOPs of a flash attention kernel: "2 matmuls in the forward pass and 5
+matmuls in the backward pass, due to recomputation" (Dao 2023, FlashAttention-2, §4.1)."""
 ADAM_BYTES_PER_PARAM = 30
 """Adam step traffic: read fp32 master, m, v, grad (16 B); write master, m, v, 16-bit weight (14 B)."""
 
@@ -32,13 +37,25 @@ def layer_forward_s(
     the kernels execute them: ``OpCost.kernel_flops``). Kernels
     on the residual stream move all their bytes on every rank, or 1/tp of them under sequence
     parallelism; ``stream_share``: the share a per-operator TP choice gives them instead."""
-    rate = device.achievable_flops(dtype)
     bw = device.hbm_bandwidth_bytes_per_s
     share = stream_share if stream_share is not None else (1 / tp if sp else 1.0)
     total = 0.0
     for op in layer.ops:
+        rate = device.achievable_flops(dtype, attention=op.attention)
         total += max(op.kernel_flops / tp / rate, op.mem_bytes * (share if op.stream else 1 / tp) / bw)
     return total
+
+
+def attention_forward_s(layer: LayerCost, device: DeviceSpec, dtype: str, *, tp: int) -> float:
+    """Forward seconds of the layer's fused attention kernels on one GPU (heads ÷ tp)."""
+    rate = device.achievable_flops(dtype, attention=True)
+    return sum(op.kernel_flops / tp / rate for op in layer.ops if op.attention)
+
+
+def layer_backward_s(layer: LayerCost, device: DeviceSpec, dtype: str, *, tp: int, fwd_s: float) -> float:
+    """Backward seconds of one layer on one GPU: 2× its forward ``fwd_s``, and for each fused
+    attention kernel (FLASH_BACKWARD_RATIO − 2) × its forward more: 2·F + 0.5·A."""
+    return 2 * fwd_s + (FLASH_BACKWARD_RATIO - 2) * attention_forward_s(layer, device, dtype, tp=tp)
 
 
 def optimizer_s_per_param(cluster: Cluster, st: Strategy) -> float:

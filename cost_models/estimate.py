@@ -186,9 +186,15 @@ def compute_basis(cluster: Cluster, dtype: str) -> str:
     they come from; or that measured layer timings take their place."""
     dev = cluster.device
     peak = dev.peak_flops.get(dtype, dev.peak_flops["bf16"])
+    attention = (
+        f" (fused attention × {dev.attention_efficiency:.2f} = "
+        f"{dev.achievable_flops(dtype, attention=True) / 1e12:,.0f} TFLOP/s)"
+        if dev.attention_efficiency is not None
+        else ""
+    )
     roofline = (
         f"{peak / 1e12:,.0f} TFLOP/s {dtype} peak × matmul efficiency {dev.matmul_efficiency:.2f} = "
-        f"{dev.achievable_flops(dtype) / 1e12:,.0f} TFLOP/s, "
+        f"{dev.achievable_flops(dtype) / 1e12:,.0f} TFLOP/s{attention}, "
         f"HBM {dev.hbm_bandwidth_bytes_per_s / 1e12:.2f} TB/s ({dev.name}, cluster {cluster.name})"
     )
     if cluster.compute_profile is not None:

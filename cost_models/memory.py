@@ -62,30 +62,68 @@ def inflight_stage_copies(schedule: str, *, stage: int, pp: int, micro_batches: 
     return (warmup + 1) / virtual
 
 
+PIPELINE_GRAD_BYTES = 4
+"""Bytes per gradient element FSDP2 accumulates unsharded across a pipeline step (fp32)."""
+
+
+def rank_state_bytes(params: float, st: Strategy) -> dict[str, float]:
+    """Weights, gradients and optimizer states at the peak of a GPU holding ``params``.
+
+    ``model_state_bytes`` (ZeRO), except ZeRO-2/3 under a pipeline (pp > 1):
+    ``torch.distributed.pipelining`` runs every backward but the step's last with FSDP2's
+    gradient sync and reshard-after-backward off (``_PipelineStageBase.backward_maybe_with_nosync``),
+    so each GPU accumulates its stage's gradients unsharded, upcast to the fp32 reduce dtype
+    (``FSDPParam.to_accumulated_grad_if_needed``: 4 B each), and keeps the gathered weights
+    (w B each) from its first backward to the end of the step.
+    """
+    states = model_state_bytes(params, zero=st.zero, dp=st.dp, dtype=st.dtype)
+    if st.pp > 1 and st.zero >= 2 and st.dp > 1:
+        states["weights"] = params * STATE_BYTES[st.dtype][0]
+        states["gradients"] = params * PIPELINE_GRAD_BYTES
+    return states
+
+
 def state_bytes_per_param(st: Strategy) -> float:
-    """Weights + gradients + optimizer bytes per parameter on a GPU after ZeRO sharding
-    (``model_state_bytes`` per parameter)."""
-    w, g, k = STATE_BYTES[st.dtype]
-    shard = st.dp
-    return (
-        w / (shard if st.zero >= 3 else 1)
-        + g / (shard if st.zero >= 2 else 1)
-        + k / (shard if st.zero >= 1 else 1)
-    )
+    """Weights + gradients + optimizer bytes per parameter on a GPU (``rank_state_bytes``)."""
+    return sum(rank_state_bytes(1.0, st).values())
 
 
 def comm_buffer_bytes(
     st: Strategy, *, block_params: float, edge_params: tuple[float, float], p2p_bytes: float
 ) -> tuple[float, ...]:
-    """Communication buffers of each pipeline rank: two DDP buckets, two pipeline send/receive
-    buffers, and under ZeRO-3 two gathered copies of the rank's biggest layer (a block's
-    parameters on one GPU, or the embedding's on the first rank, the head's on the last)."""
+    """Communication buffers of each pipeline rank: two DDP buckets (ZeRO 0–1), two pipeline
+    send/receive buffers, and under ZeRO-3 without a pipeline two gathered copies of the rank's
+    biggest layer (a block's parameters on one GPU, or the embedding's on the first rank, the
+    head's on the last; FSDP2 keeps its root, which holds the embedding and the head, gathered
+    from forward to backward)."""
     t, p = st.tp, st.pp
     w = STATE_BYTES[st.dtype][0]
     embed, head = edge_params
-    base_buffers = 2 * DDP_BUCKET_BYTES * (st.dp > 1) + 2 * p2p_bytes * t * (t > 1)
+    ddp = st.dp > 1 and st.zero <= 1  # ZeRO-2/3 run on FSDP2: no DDP buckets
+    base_buffers = 2 * DDP_BUCKET_BYTES * ddp + 2 * p2p_bytes * t * (t > 1)
+    gathered = st.zero == 3 and p == 1  # under a pipeline the weights stay gathered (rank_state_bytes)
     buffers = []
     for rank in range(p):
         biggest = max(block_params, embed if rank == 0 else 0.0, head if rank == p - 1 else 0.0)
-        buffers.append(base_buffers + (2 * biggest * w if st.zero == 3 else 0.0))
+        buffers.append(base_buffers + (2 * biggest * w if gathered else 0.0))
     return tuple(buffers)
+
+
+LOSS_BYTES_PER_LOGIT = 12
+"""Peak bytes per logit while the loss runs: three fp32 logit-sized buffers (``loss_bytes``)."""
+
+
+def loss_bytes(*, micro_batch: int, seq: int, vocab: int, tp: int) -> float:
+    """Bytes the language-model loss adds to the peak at the end of the forward, per GPU.
+
+    The cross-entropy computes its softmax in fp32 whatever the logits' dtype
+    (``runtime.loss.lm_loss``, and torchtitan's ``cross_entropy(pred.float(), …)``).
+    With N = micro_batch·seq·vocab/tp logits on the GPU (÷ tp: the head's output and
+    the loss are split over the vocabulary), the forward holds the logits (2N bytes in
+    bf16), their fp32 copy (4N) and the log-softmax (4N, saved for backward) = 10N;
+    the backward of the loss holds the saved log-softmax, its gradient and the logits'
+    gradient, all fp32 = 12N, the larger of the two. Measured: 12.0 bytes per predicted
+    token's logit for bf16 and fp32 logits (``measure.saved.peak_bytes`` over
+    ``lm_loss`` forward and backward, tests/cost_models/test_memory.py).
+    """
+    return micro_batch * seq * vocab / tp * LOSS_BYTES_PER_LOGIT

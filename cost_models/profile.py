@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from autopar.errors import AutoparError
 from autopar.graph import CapturedModel
-from autopar.graph.dispatch import numbered
+from autopar.graph.dispatch import fused_attention, numbered
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +36,9 @@ class OpCost:
     stream: bool
     """An op on the residual stream (b, s, h) with no FLOPs (norm, residual add):
     replicated by tensor parallelism, split by sequence parallelism."""
+    attention: bool = False
+    """A fused attention kernel (``graph.dispatch.fused_attention``): priced at the device's
+    attention efficiency, its backward at ``compute.FLASH_BACKWARD_RATIO`` × its forward."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +211,10 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
         is_stream = is_stream_op(n, h)
         if flops or mem:
             kernel = int(n.meta.get("autopar.kernel_flops", flops))
-            ops.append(OpCost(flops=flops, kernel_flops=kernel, mem_bytes=mem, stream=is_stream))
+            attention = fused_attention(n)
+            ops.append(
+                OpCost(flops=flops, kernel_flops=kernel, mem_bytes=mem, stream=is_stream, attention=attention)
+            )
         if any(_is_square(_shape(a), s) for a in (n, *n.all_input_nodes)):
             quad_f += flops  # QKᵀ and scores·V: what selective recompute redoes
         # Megatron TP: a matmul with a weight that writes the residual width h is row-parallel
@@ -348,6 +354,7 @@ def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile
                     kernel_flops=lin(x.kernel_flops, y.kernel_flops),
                     mem_bytes=lin(x.mem_bytes, y.mem_bytes),
                     stream=x.stream,
+                    attention=x.attention,
                 )
                 for x, y in zip(a.ops, c.ops, strict=True)
             ),

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 
 from autopar.cluster import DeviceSpec
 from autopar.cost_models.profile import CallCost, LayerCost
+from autopar.graph.dispatch import attention_call
 
 
 def output_share(placement: str, *, tp: int, sp: bool) -> float:
@@ -60,7 +61,7 @@ def call_time_s(call: CallCost, device: DeviceSpec, dtype: str, *, tp: int, stre
     bytes (÷ t, the stream's × ``stream_share``) at HBM bandwidth, whichever is longer."""
     share = stream_share if call.placement == "stream" else 1 / tp
     return max(
-        call.kernel_flops / tp / device.achievable_flops(dtype),
+        call.kernel_flops / tp / device.achievable_flops(dtype, attention=attention_call(call.key)),
         call.mem_bytes * share / device.hbm_bandwidth_bytes_per_s,
     )
 

@@ -15,16 +15,9 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models import comm
+from autopar.cost_models import memory as mem
 from autopar.cost_models import recompute as rc
-from autopar.cost_models.compute import layer_forward_s, optimizer_s_per_param
-from autopar.cost_models.memory import (
-    DDP_BUCKET_BYTES,
-    STATE_BYTES,
-    comm_buffer_bytes,
-    inflight_stage_copies,
-    layer_activation_bytes,
-    state_bytes_per_param,
-)
+from autopar.cost_models.compute import layer_backward_s, layer_forward_s, optimizer_s_per_param
 from autopar.cost_models.profile import LayerCost, ModelProfile
 from autopar.errors import AutoparError
 from autopar.measurements import ComputeProfile, LayerTiming
@@ -117,7 +110,7 @@ class Terms:
     opt_s_per_param: float
     """Optimizer seconds per parameter on a GPU (÷ dp under ZeRO ≥ 1)."""
     loss_bytes: float
-    """fp32 logits and their gradient on the last rank."""
+    """The loss's fp32 buffers on the last rank (``memory.loss_bytes``)."""
     buffers: tuple[float, ...]
     """Communication buffers per rank."""
     reserve_bytes: float
@@ -259,11 +252,11 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     whole_block = choice == "full" or st.policy(choice) is not None  # its forward's collectives again
     return Unit(
         fwd_s=fwd,
-        bwd_compute_s=got.backward_s if got else 2 * fwd,
+        bwd_compute_s=got.backward_s if got else layer_backward_s(lc, ctx.device, st.dtype, tp=t, fwd_s=fwd),
         recompute_s=redo_s,
         tp_s=tp_fwd * (2 if whole_block else 1) + tp_bwd,
         act_bytes=act,
-        act_full_bytes=layer_activation_bytes(
+        act_full_bytes=mem.layer_activation_bytes(
             lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes
         ),
         params=chosen.local_params if chosen is not None else lc.params / t,
@@ -292,7 +285,7 @@ def _redone(
     policy = st.policy(choice)
     if policy is None:
         flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}[choice]
-        act = layer_activation_bytes(lc, tp=t, sp=sp, recompute=choice, input_bytes=input_bytes)
+        act = mem.layer_activation_bytes(lc, tp=t, sp=sp, recompute=choice, input_bytes=input_bytes)
         return (fwd_s if choice == "full" else flops / t / ctx.rate), act, flops
     return rc.policy_costs(
         lc,
@@ -329,7 +322,7 @@ def build_terms(
     lat, s_per_byte = comm.coefficients("all_gather", st.dp, dp_link)
     rs_lat, rs_s_per_byte = comm.coefficients("reduce_scatter", st.dp, dp_link)
     ar_lat, ar_s_per_byte = comm.coefficients("all_reduce", st.dp, dp_link)
-    w = STATE_BYTES[st.dtype][0]
+    w = mem.STATE_BYTES[st.dtype][0]
     shard = st.dp
     layers = (blocks["none"], embed, head)
     return Terms(
@@ -340,9 +333,10 @@ def build_terms(
         block_type=block_type,
         p2p_s=2 * v * comm.p2p_time_s(p2p_bytes, pp_link) if p > 1 else 0.0,
         inflight=tuple(
-            inflight_stage_copies(st.schedule, stage=r, pp=p, micro_batches=m, virtual=v) for r in range(p)
+            mem.inflight_stage_copies(st.schedule, stage=r, pp=p, micro_batches=m, virtual=v)
+            for r in range(p)
         ),
-        state_bytes_per_param=state_bytes_per_param(st),
+        state_bytes_per_param=mem.state_bytes_per_param(st),
         weight_bytes=w,
         grad_bytes=GRAD_REDUCE_BYTES[st.dtype],
         lat_s=lat,
@@ -354,8 +348,8 @@ def build_terms(
         overlap=cluster.comm_profile.overlap if cluster.comm_profile is not None else 1.0,
         last_bucket_s=_last_bucket_s(profile, st, layers, ar_lat, ar_s_per_byte),
         opt_s_per_param=optimizer_s_per_param(cluster, st) / (shard if st.zero >= 1 else 1),
-        loss_bytes=st.micro_batch * st.seq * profile.vocab / t * 8,
-        buffers=comm_buffer_bytes(
+        loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq, vocab=profile.vocab, tp=t),
+        buffers=mem.comm_buffer_bytes(
             st,
             block_params=blocks["none"].params,
             edge_params=(embed.params, head.params),
@@ -376,7 +370,7 @@ def _last_bucket_s(
     block, embed, head = layers
     total_params = profile.blocks * block.params + embed.params + head.params
     grads_per_rank = total_params / st.pp * GRAD_REDUCE_BYTES[st.dtype]
-    return ar_lat + ar_s_per_byte * min(DDP_BUCKET_BYTES, grads_per_rank) if st.dp > 1 else 0.0
+    return ar_lat + ar_s_per_byte * min(mem.DDP_BUCKET_BYTES, grads_per_rank) if st.dp > 1 else 0.0
 
 
 def _default_reserve_bytes(device: DeviceSpec) -> float:
@@ -484,15 +478,11 @@ def zero3_unhidden_s(terms: Terms) -> tuple[float, float]:
 
 def rank_memory_terms(terms: Terms, rank: int, load: RankLoad) -> dict[str, float]:
     """Peak memory of a rank by cause (bytes)."""
-    st = terms.strategy
-    (w, g, k), shard = STATE_BYTES[st.dtype], st.dp
     acts = terms.inflight[rank] * load.act_bytes
     if load.rematerialises:
         acts += terms.block["none"].act_full_bytes
     return {
-        "weights": load.params * w / (shard if st.zero >= 3 else 1),
-        "gradients": load.params * g / (shard if st.zero >= 2 else 1),
-        "optimizer": load.params * k / (shard if st.zero >= 1 else 1),
+        **mem.rank_state_bytes(load.params, terms.strategy),
         "activations": acts,
         "loss": terms.loss_bytes if rank == len(terms.inflight) - 1 else 0.0,
         "comm_buffers": terms.buffers[rank],

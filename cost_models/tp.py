@@ -38,9 +38,11 @@ from autopar.cost_models.comm import (
     group_link,
     reduce_scatter_time_s,
 )
+from autopar.cost_models.compute import FLASH_BACKWARD_RATIO
 from autopar.cost_models.profile import is_stream_op
 from autopar.cost_models.terms import TPLayer, TPLayout
 from autopar.graph import CapturedModel, Layer
+from autopar.graph.dispatch import fused_attention
 from autopar.passes.tp_graph import GraphIndex, index_graph
 from autopar.passes.tp_rules import (
     LINEAR_ARGS,
@@ -164,12 +166,13 @@ def leave(
 
 def op_compute_s(n: fx.Node, cluster: Cluster, dtype: str) -> float:
     """Forward + backward roofline seconds of one operator (backward FLOPs as annotated)."""
-    dev = cluster.device
+    dev, attention = cluster.device, fused_attention(n)
     fwd = n.meta.get("autopar.fwd_flops", 0)
     executed = n.meta.get("autopar.kernel_flops", fwd) / fwd if fwd else 1.0  # causal attention: ~½
-    flops = (fwd + n.meta.get("autopar.bwd_flops", 0)) * executed
+    bwd = fwd * FLASH_BACKWARD_RATIO if attention else n.meta.get("autopar.bwd_flops", 0)
+    flops = (fwd + bwd) * executed
     mem = 3 * n.meta.get("autopar.mem_bytes", 0)  # forward reads/writes once, backward about twice
-    return flops / dev.achievable_flops(dtype) + mem / dev.hbm_bandwidth_bytes_per_s
+    return flops / dev.achievable_flops(dtype, attention=attention) + mem / dev.hbm_bandwidth_bytes_per_s
 
 
 def own_collectives(n: fx.Node, s: OpStrategy) -> list[Collective]:

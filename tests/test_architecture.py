@@ -17,6 +17,7 @@ LAYERS = [
         "autopar.errors",
         "autopar.files",
         "autopar.units",
+        "autopar.spec_fields",
         "autopar.measurements",
         "autopar.cluster",
         "autopar.strategy",

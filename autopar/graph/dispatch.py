@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-_ATTENTION = "sdpa"
+ATTENTION = "sdpa"
 """Every fused attention kernel (CPU flash, CUDA flash, memory-efficient, cuDNN) has one name:
 a plan made on a CPU capture runs on GPUs."""
 
@@ -44,8 +44,19 @@ def op_name(func: Any) -> str:
     ``_c10d_functional.all_reduce`` (namespace kept outside ``aten``)."""
     packet = str(func._overloadpacket) if hasattr(func, "_overloadpacket") else str(func)
     if "scaled_dot_product" in packet and "backward" not in packet:
-        return _ATTENTION
+        return ATTENTION
     return packet.removeprefix("aten.")
+
+
+def fused_attention(n: Any) -> bool:
+    """Does graph node ``n`` run a fused attention kernel (``autopar.dispatch`` holds an
+    ``sdpa`` call)? Explicit attention (matmul, softmax, matmul) does not."""
+    return any(c.op == ATTENTION for c in n.meta.get("autopar.dispatch", ()))
+
+
+def attention_call(key: str) -> bool:
+    """Is ``op#k`` a call of a fused attention kernel?"""
+    return key.partition("#")[0] == ATTENTION
 
 
 def ignored(func: Any) -> bool:

@@ -101,4 +101,41 @@ def retained_bytes(forward: Callable[..., Any], inputs: Inputs) -> int:
     return total
 
 
-__all__ = ["Inputs", "call_bytes", "retained_bytes"]
+class _Peak(TorchDispatchMode):
+    """The most bytes the storages an operator made were ever alive at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.alive: set[int] = set()
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self.alive.discard(key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        read = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in read or key in self.alive:  # a view, an in-place result, a second output
+                continue
+            self.alive.add(key)
+            self.live += storage.nbytes()
+            weakref.finalize(storage, self._freed, key, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def peak_bytes(run: Callable[[], Any]) -> int:
+    """The peak of the bytes alive at once in storages that ``run()``'s operators made,
+    forward and backward (autograd runs its backward operators under the same mode): what a
+    caching allocator's ``max_memory_allocated`` would add during ``run``, on any device."""
+    mode = _Peak()
+    with mode:
+        run()
+    return mode.peak
+
+
+__all__ = ["Inputs", "call_bytes", "peak_bytes", "retained_bytes"]

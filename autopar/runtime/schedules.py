@@ -38,19 +38,28 @@ class Runner(Protocol):
 
 
 class LocalSchedule:
-    """pp = 1: the micro-batches in turn, each loss / m backward (gradients accumulate); the
-    data-parallel gradient sync waits for the last micro-batch."""
+    """pp = 1: the micro-batches in turn, each loss / m backward (gradients accumulate).
+
+    How gradients accumulate follows the ZeRO stage, as the cost model prices it
+    (``cost_models.terms.dp_exposed_s``, ``rank_memory_terms``): ZeRO 0–1 accumulate whole
+    gradients and reduce once, after the last micro-batch; ZeRO-2/3 reduce-scatter every
+    micro-batch's gradients and accumulate only the shard (Rajbhandari et al. SC'20 §5.2), so
+    no rank ever holds the whole model's gradients. Below ZeRO-3 the gathered parameters stay
+    until the last backward (one gather per step)."""
 
     def __init__(self, module: nn.Module, plan: Plan) -> None:
         self.module = module
         self.micro_batch, self.micro_batches = plan.strategy.micro_batch, plan.strategy.micro_batches
+        self.zero = plan.strategy.zero
 
     def _sync(self, enabled: bool) -> contextlib.AbstractContextManager[Any]:
         from torch.distributed.fsdp import FSDPModule
         from torch.nn.parallel import DistributedDataParallel
 
         if isinstance(self.module, FSDPModule):
-            self.module.set_requires_gradient_sync(enabled)
+            self.module.set_requires_gradient_sync(enabled or self.zero >= 2)
+            if self.zero < 3:
+                self.module.set_reshard_after_backward(enabled)
         elif not enabled and isinstance(self.module, DistributedDataParallel):
             return self.module.no_sync()
         return contextlib.nullcontext()

@@ -87,7 +87,12 @@ def apply_data_parallel(stages: Stages, plan: Plan, mesh: Any, half: torch.dtype
     if stages.gm is None and st.zero <= 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        stages.modules[0] = DistributedDataParallel(stages.modules[0], process_group=mesh["dp"].get_group())
+        # gradients as views of DDP's buckets: otherwise the buckets are a second copy of every
+        # gradient (torch's DDP docs: the saving "will be equal to the total gradients size"),
+        # which the cost model's two 25 MiB buckets (memory.comm_buffer_bytes) do not price
+        stages.modules[0] = DistributedDataParallel(
+            stages.modules[0], process_group=mesh["dp"].get_group(), gradient_as_bucket_view=True
+        )
         return False
     for stage in stages.modules.values():
         shard_over_dp(stage, plan, mesh["dp"], half)

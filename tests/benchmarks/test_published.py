@@ -25,19 +25,22 @@ def test_published_runs_within_targets() -> None:
     errors = []
     for run in published.RUNS:
         predicted, est = published.predict(run)
-        errors.append(abs(predicted - run.measured) / run.measured)
+        error = abs(predicted - run.measured) / run.measured
+        errors.append(error)
         assert est.fits, run.name
+        # calibrated or corrected on the in-sample runs: each must stay close; held out: the
+        # benchmark's target
+        assert error <= (0.10 if run.in_sample else 0.25), run.name
     assert statistics.median(errors) <= 0.10
-    assert max(errors) <= 0.10  # calibrated on these: each must stay close
 
 
 def test_published_peaks_lie_between_none_and_full_and_near_their_own_policy() -> None:
     """torchtitan's Llama-3.1 8B peaks with per-op selective checkpointing: between autopar's
-    predictions without and with full recompute, and priced with that very policy within 15%
-    (the cost-model issue asks ±10%: today −11.5% and −12.1%, the missing terms are its own)."""
+    predictions without and with full recompute, and priced with that very policy within 10%
+    (−2.0% and −0.4% with the loss's fp32 buffers at 12 B per logit)."""
     published = _published()
     for run in published.MEMORY_RUNS:
         none, full, own = published.memory_bracket(run)
         assert full <= run.measured_gib <= none, run.name
         assert own is not None and full < own < none, run.name
-        assert abs(own - run.measured_gib) / run.measured_gib <= 0.15, (run.name, own)
+        assert abs(own - run.measured_gib) / run.measured_gib <= 0.10, (run.name, own)

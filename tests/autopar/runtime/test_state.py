@@ -1,5 +1,6 @@
 """A checkpoint saved under one ZeRO stage loads exactly under another (torchrun, 2 processes):
-ZeRO-1's optimizer state is saved by name from the rank that owns it."""
+ZeRO-1's optimizer state is saved by name from the rank that owns it. One micro-batch per step:
+ZeRO 0–1 reduce accumulated gradients once, ZeRO-3 every micro-batch's, which rounds apart."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ CFG = GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16)
 def plan(zero):
     with torch.device("meta"):
         meta = GPT(CFG)
-    cons = Constraints(tp=1, pp=1, dp=2, zero=zero, micro_batch=2, recompute=("none",))
+    cons = Constraints(tp=1, pp=1, dp=2, zero=zero, micro_batch=4, recompute=("none",))
     return make_plan(PlanRequest(model=meta, name="tiny", cluster=Cluster.preset("cpu"),
                                  global_batch=8, seq=16, dtype="fp32", constraints=cons)).plan
 
@@ -183,7 +184,7 @@ def _dp2_plan(n_layer: int, zero: int = 0) -> str:
 
     with torch.device("meta"):
         meta = _tiny(n_layer)
-    cons = Constraints(tp=1, pp=1, dp=2, zero=zero, micro_batch=2, recompute=("none",))
+    cons = Constraints(tp=1, pp=1, dp=2, zero=zero, micro_batch=4, recompute=("none",))
     plan = autopar.plan(
         meta, Cluster.preset("cpu", gpus_per_node=2), global_batch=8, seq_len=16, constraints=cons
     )
