@@ -36,11 +36,19 @@ class StagePlan:
     """Predicted compute + recompute + TP communication per micro-batch."""
     comm_per_micro_batch_s: float = 0.0
     """Of which tensor-parallel communication (exposed)."""
+    chunk_sizes: tuple[int, ...] = ()
+    """Layers in each model chunk the stage runs, in order (interleaved: v chunks; the embedding
+    and the head count as layers and may make a chunk alone); empty: one run per consecutive
+    blocks."""
 
     @property
     def chunks(self) -> list[tuple[str, ...]]:
-        """The stage's layers as runs of consecutive blocks: one per model chunk it holds (v of
-        them under the interleaved schedule; the embedding and head join their neighbours)."""
+        """The stage's layers per model chunk it holds (v of them under the interleaved schedule):
+        as ``chunk_sizes`` says, else runs of consecutive blocks (the embedding and head joining
+        their neighbours)."""
+        if self.chunk_sizes:
+            starts = [sum(self.chunk_sizes[:i]) for i in range(len(self.chunk_sizes))]
+            return [self.layers[a : a + n] for a, n in zip(starts, self.chunk_sizes, strict=True)]
         runs: list[list[str]] = []
         last = None
         for name in self.layers:
@@ -121,6 +129,7 @@ class Plan:
                     "peak_bytes": s.peak_bytes,
                     "time_per_micro_batch_s": s.time_per_micro_batch_s,
                     "comm_per_micro_batch_s": s.comm_per_micro_batch_s,
+                    "chunk_sizes": list(s.chunk_sizes),
                 }
                 for s in self.stages
             ],
@@ -172,6 +181,7 @@ class Plan:
                     peak_bytes=s["peak_bytes"],
                     time_per_micro_batch_s=s["time_per_micro_batch_s"],
                     comm_per_micro_batch_s=s.get("comm_per_micro_batch_s", 0.0),
+                    chunk_sizes=tuple(int(n) for n in s.get("chunk_sizes", ())),
                 )
                 for s in d["stages"]
             ),
@@ -267,5 +277,12 @@ def validate_plan(plan: Plan, *, world_size: int, blocks: int, capacity_bytes: f
     assert len(names) == len(set(names)) == blocks + 2, "every layer exactly once"
     if st.virtual_stages == 1:
         assert names == sorted(names, key=names.index), "contiguous"
+    else:
+        assert all(
+            len(s.chunk_sizes) == st.virtual_stages
+            and sum(s.chunk_sizes) == len(s.layers)
+            and all(s.chunk_sizes)
+            for s in plan.stages
+        ), "v non-empty chunks per stage"
     assert all(s.peak_bytes <= capacity_bytes for s in plan.stages), "memory fits"
     assert {r for s in plan.stages for _, r in s.recompute} <= set(st.choices), "known recompute choices"

@@ -121,7 +121,8 @@ class Strategy:
     """Blocks per pipeline rank as counts per recompute choice (``choices``: none, selective,
     full, then each policy), rank 0 first; empty: an even split with ``recompute`` for every
     block. The embedding runs on rank 0, the head on the last rank; with interleaving each
-    rank's blocks form v equal chunks."""
+    rank's blocks spread over its v chunks (``chunk_blocks``), so ranks may hold different
+    numbers of blocks as 1F1B stages do."""
     policies: tuple[RecomputePolicy, ...] = ()
     """The per-operator recompute policies this strategy may use (selective activation
     checkpointing), after none, selective and full."""
@@ -212,6 +213,34 @@ class Strategy:
         """Micro-batches per pipeline per step: m = B / (dp · b)."""
         return self.global_batch // (self.dp * self.micro_batch)
 
+    def chunk_blocks(self, blocks: int) -> list[int]:
+        """Blocks per pipeline chunk in model order (p·v chunks, chunk c on rank c mod p).
+
+        Without a layout, ``even_split``. With one, each rank's blocks spread as evenly as its v
+        chunks allow; a rank with fewer than a multiple of v leaves the short chunks where the
+        embedding (chunk 0) or the head (chunk p·v − 1) already runs, so a first or last stage one
+        block lighter (Llama 3's 405B layout, Dubey et al. 2024 §3.3.2) is chunks of one block
+        and a chunk of the embedding alone."""
+        p, v = self.pp, self.virtual_stages
+        if not self.layout:
+            return even_split(blocks, p * v)
+        edges = (0, p * v - 1)
+        chunks = [0] * (p * v)
+        for rank, counts in enumerate(self.layout):
+            mine = [rank + i * p for i in range(v)]
+            order = [c for c in mine if c not in edges] + [c for c in mine if c in edges]
+            base, extra = divmod(sum(counts), v)
+            for j, c in enumerate(order):
+                chunks[c] = base + (1 if j < extra else 0)
+        return chunks
+
+    def min_rank_blocks(self, rank: int) -> int:
+        """Fewest blocks pipeline rank ``rank`` may hold: one per chunk, but the chunks of the
+        embedding and the head may hold them alone (1 per rank without interleaving)."""
+        if self.virtual_stages == 1:
+            return 1
+        return self.virtual_stages - (rank == 0) - (rank == self.pp - 1)
+
     def blocks_per_rank(self, blocks: int) -> list[tuple[int, ...]]:
         """Block counts per rank by recompute choice (``choices``): the layout, or an even
         split (chunk c of p·v runs on rank c mod p) with ``recompute`` everywhere."""
@@ -273,23 +302,31 @@ def check_strategy(
         )
     if heads is not None and heads % s.tp:
         raise StrategyError(f"tp={s.tp} does not divide {heads} heads")
-    if s.pp * s.virtual_stages > blocks:
-        raise StrategyError(f"pp·v = {s.pp * s.virtual_stages} stages exceed the model's {blocks} layers")
+    chunks = s.pp * s.virtual_stages
+    if chunks - 2 * (s.virtual_stages > 1) > blocks:
+        raise StrategyError(
+            f"pp·v = {chunks} stages exceed the model's {blocks} layers"
+            + (
+                " (every chunk but the embedding's and the head's needs a block)"
+                if s.virtual_stages > 1
+                else ""
+            )
+        )
     if s.layout and sum(map(sum, s.layout)) != blocks:
         raise StrategyError(f"layout places {sum(map(sum, s.layout))} blocks but the model has {blocks}")
     if s.schedule == "interleaved":
         if s.virtual_stages < 2:
             raise StrategyError("the interleaved schedule needs --virtual-stages >= 2")
-        if blocks % (s.pp * s.virtual_stages):
-            raise StrategyError(
-                f"interleaved: {blocks} layers do not split into pp·v = {s.pp * s.virtual_stages} "
-                "equal chunks"
-            )
         if s.micro_batches % s.pp:
             raise StrategyError(
                 f"interleaved: {s.micro_batches} micro-batches are not a multiple of pp={s.pp}"
             )
-        if s.layout and any(sum(c) != blocks // s.pp for c in s.layout):
-            raise StrategyError("interleaved: every rank must hold the same number of blocks")
+        short = [k for k, c in enumerate(s.layout) if sum(c) < s.min_rank_blocks(k)]
+        if short:
+            k = short[0]
+            raise StrategyError(
+                f"interleaved: rank {k} holds {sum(s.layout[k])} blocks but its {s.virtual_stages} chunks "
+                f"need {s.min_rank_blocks(k)} (one each, but the embedding's and the head's)"
+            )
     if seq_limit is not None and s.seq > seq_limit:
         raise StrategyError(f"seq {s.seq} exceeds the model's maximum {seq_limit}")

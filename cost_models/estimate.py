@@ -300,21 +300,22 @@ def measurement_notes(profile: ModelProfile, cluster: Cluster, st: Strategy) -> 
     return notes
 
 
-def stage_layer_names(profile: ModelProfile, st: Strategy) -> list[list[str]]:
-    """Layer names per pipeline rank: contiguous blocks per stage (or v equal chunks per rank,
-    chunk c on rank c mod p), the embedding on rank 0 and the head on the last rank."""
+def stage_chunks(profile: ModelProfile, st: Strategy) -> list[list[tuple[str, ...]]]:
+    """Layer names per model chunk, per pipeline rank: the blocks of each chunk
+    (``Strategy.chunk_blocks``; chunk c on rank c mod p, one chunk per rank without
+    interleaving), the embedding first in chunk 0 and the head last in the last chunk."""
     names = profile.layer_names
     blocks = list(names[1:-1])
-    ranks: list[list[str]] = [[] for _ in range(st.pp)]
-    if st.virtual_stages > 1:
-        size = len(blocks) // (st.pp * st.virtual_stages)
-        for c in range(st.pp * st.virtual_stages):
-            ranks[c % st.pp].extend(blocks[c * size : (c + 1) * size])
-    else:
-        start = 0
-        for k, counts in enumerate(st.blocks_per_rank(len(blocks))):
-            ranks[k].extend(blocks[start : start + sum(counts)])
-            start += sum(counts)
-    ranks[0].insert(0, names[0])
-    ranks[-1].append(names[-1])
-    return ranks
+    sizes = st.chunk_blocks(len(blocks))
+    chunks, start = [], 0
+    for size in sizes:
+        chunks.append(blocks[start : start + size])
+        start += size
+    chunks[0].insert(0, names[0])
+    chunks[-1].append(names[-1])
+    return [[tuple(chunks[c]) for c in range(k, len(chunks), st.pp)] for k in range(st.pp)]
+
+
+def stage_layer_names(profile: ModelProfile, st: Strategy) -> list[list[str]]:
+    """Layer names per pipeline rank, its chunks in order (``stage_chunks``)."""
+    return [[name for chunk in rank for name in chunk] for rank in stage_chunks(profile, st)]

@@ -52,7 +52,8 @@ def inflight_stage_copies(schedule: str, *, stage: int, pp: int, micro_batches: 
     (Narayanan et al. SC'21, §2.2.1). Interleaved 1F1B with v chunks: rank i
     runs min(2(p − i − 1) + (v − 1)·p, m·v − 1) warm-up chunk forwards before
     its first backward (Megatron-LM schedule), so it holds that many plus one
-    chunks, each 1/v of the stage.
+    chunks, each 1/v of the stage (exact when its chunks are equal; a rank's chunks differ
+    by at most a block, ``Strategy.chunk_blocks``).
     """
     if schedule == "gpipe":
         return float(micro_batches)

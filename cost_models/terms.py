@@ -445,6 +445,9 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     gathers each block twice per micro-batch, also under full recompute: the FSDP2 unit wraps the
     checkpointed block (recompute before ``fully_shard``, as torchtitan's ``apply_ac`` precedes
     ``apply_fsdp``), so the pre-backward gather serves the recomputed forward and the backward.
+    Under a pipeline (pp > 1) torch's schedules reduce-scatter only in the step's last backward
+    (``memory.rank_state_bytes``): ZeRO-2 pays its term once, not m times, and ZeRO-3
+      m·[max(g₁, L·α_g + σ_g·W − fwd) + max(g₁, L·α_g + σ_g·W − bwd)] + max(r₁, L·α_r + σ_r·G − bwd).
     """
     st, lat, spb = terms.strategy, terms.lat_s, terms.s_per_byte
     rlat, rspb = terms.rs_lat_s, terms.rs_s_per_byte
@@ -457,13 +460,15 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     if st.zero in (0, 1):
         ddp = max(terms.last_bucket_s, terms.ar_lat_s + terms.ar_s_per_byte * grad - overlap)
         return ddp + (lat + spb * weights if st.zero == 1 else 0.0)
+    reductions = 1 if st.pp > 1 else m  # reduce-scatters per step
     if st.zero == 2:
-        return m * max(0.0, load.layers * rlat + rspb * grad - overlap) + lat + spb * weights
+        return reductions * max(0.0, load.layers * rlat + rspb * grad - overlap) + lat + spb * weights
     gather, reduce = load.layers * lat + spb * weights, load.layers * rlat + rspb * grad  # gather: fwd, bwd
     first, last = zero3_unhidden_s(terms)
-    return m * (
-        max(first, gather - kappa * load.fwd_s) + max(first + last, gather + reduce - kappa * load.bwd_s)
-    )
+    fwd, bwd = kappa * load.fwd_s, kappa * load.bwd_s
+    if st.pp > 1:
+        return m * (max(first, gather - fwd) + max(first, gather - bwd)) + max(last, reduce - bwd)
+    return m * (max(first, gather - fwd) + max(first + last, gather + reduce - bwd))
 
 
 def zero3_unhidden_s(terms: Terms) -> tuple[float, float]:

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, replace
 
 from autopar.cluster import Cluster
-from autopar.cost_models.estimate import stage_layer_names
+from autopar.cost_models.estimate import stage_chunks
 from autopar.cost_models.terms import rank_load
 from autopar.errors import InfeasibleError
 from autopar.plan import Plan, StagePlan, validate_plan
@@ -129,7 +129,8 @@ def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) ->
     counts = st.blocks_per_rank(profile.blocks)
     edge = (profile.layer_names[0], profile.layer_names[-1])
     stages = []
-    for k, layers in enumerate(stage_layer_names(profile, st)):
+    for k, chunks in enumerate(stage_chunks(profile, st)):
+        layers = [name for chunk in chunks for name in chunk]
         load = rank_load(terms, k, counts[k])
         blocks = [x for x in layers if x not in edge]
         # leanest first: full, the policies (fewest bytes kept first), selective, none
@@ -144,6 +145,7 @@ def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) ->
                 peak_bytes=est.memory[k].peak_bytes,
                 time_per_micro_batch_s=load.time_s,
                 comm_per_micro_batch_s=load.tp_s,
+                chunk_sizes=tuple(len(c) for c in chunks) if st.virtual_stages > 1 else (),
             )
         )
     return Plan(

@@ -103,8 +103,9 @@ def _degrees(request: PlanRequest, blocks: int, heads: int | None) -> list[tuple
 
 
 def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> list[tuple[str, int]]:
-    """(schedule, virtual stages): 1F1B, GPipe on request, interleaved where the blocks split
-    into pp·v equal chunks and the micro-batches into rounds of pp."""
+    """(schedule, virtual stages): 1F1B, GPipe on request, interleaved where the blocks fill
+    pp·v chunks (one block each, but the embedding's and the head's: ``Strategy.min_rank_blocks``)
+    and the micro-batches split into rounds of pp."""
     out: list[tuple[str, int]] = []
     if c.schedule in (None, "1f1b"):
         out.append(("1f1b", 1))
@@ -112,7 +113,7 @@ def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> l
         out.append(("gpipe", 1))
     if c.schedule in (None, "interleaved") and pp > 1 and micro_batches % pp == 0:
         for v in [c.virtual_stages] if c.virtual_stages else [2, 3, 4, 6, 8]:
-            if v and v > 1 and blocks % (pp * v) == 0:
+            if v and v > 1 and pp * v - 2 <= blocks:
                 out.append(("interleaved", v))
     return out
 

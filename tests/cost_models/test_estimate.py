@@ -4,6 +4,7 @@ tests/benchmarks/test_published.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from autopar.cost_models.estimate import estimate, stage_layer_names
 from autopar.cost_models.memory import layer_activation_bytes
 from autopar.cost_models.profile import ModelProfile
 from autopar.planner import ModelProfiles
-from autopar.strategy import Strategy, even_split
+from autopar.strategy import Strategy, StrategyError, check_strategy, even_split
 from autopar.zoo import GPT, GPTConfig
 
 S, B, H, A = 512, 2, 256, 8
@@ -77,6 +78,43 @@ def test_stage_split_is_contiguous_and_balanced(megatron_small: ModelProfile) ->
         pp=4, micro_batch=B, global_batch=8 * B, seq=S, layout=((1, 0, 0), (3, 0, 0), (2, 1, 0), (0, 0, 1))
     )
     assert [len(n) for n in stage_layer_names(megatron_small, laid)] == [2, 3, 3, 2]
+
+
+def test_interleaved_chunks_follow_each_ranks_blocks(megatron_small: ModelProfile) -> None:
+    """Interleaving with ranks of 3 and 5 of the 8 blocks: rank 0's chunks (0 and 2) hold 1 and 2
+    (the embedding's is the lighter), rank 1's (1 and 3) hold 3 and 2 (the head's lighter)."""
+    st = Strategy(
+        pp=2,
+        virtual_stages=2,
+        schedule="interleaved",
+        micro_batch=B,
+        global_batch=4 * B,
+        seq=S,
+        layout=((3, 0, 0), (5, 0, 0)),
+    )
+    assert st.chunk_blocks(8) == [1, 3, 2, 2]
+    names = stage_layer_names(megatron_small, st)
+    blocks = list(megatron_small.layer_names[1:-1])
+    assert names[0] == [megatron_small.layer_names[0], blocks[0], *blocks[4:6]]
+    assert names[1] == [*blocks[1:4], *blocks[6:8], megatron_small.layer_names[-1]]
+    est = estimate(megatron_small, Cluster.preset("dgx-a100-80g", nodes=1, gpus_per_node=2), st)
+    assert est.stage_layers == tuple(tuple(n) for n in names)
+    # Llama 3 405B's layout: 126 blocks on 16 ranks × 8 chunks, the first and last stage one block
+    # lighter: chunks of one block, the embedding and the head alone in theirs
+    big = Strategy(
+        pp=16,
+        virtual_stages=8,
+        schedule="interleaved",
+        micro_batch=1,
+        global_batch=16,
+        seq=S,
+        layout=((7, 0, 0), *[(8, 0, 0)] * 14, (7, 0, 0)),
+    )
+    assert big.chunk_blocks(126) == [0] + [1] * 126 + [0]
+    # a rank short of its chunks is refused with the numbers
+    short = replace(st, virtual_stages=3, layout=((1, 0, 0), (7, 0, 0)))
+    with pytest.raises(StrategyError, match="rank 0 holds 1 blocks but its 3 chunks need 2"):
+        check_strategy(short, world_size=2, blocks=8, heads=A)
 
 
 def test_dp_comm_crosses_nodes_and_3d_beats_pure_dp_without_zero() -> None:
@@ -242,8 +280,8 @@ def test_estimate_cli_table(capsys) -> None:
         (["--tp", "8", "--nodes", "4", "--global-batch", "102"], "global batch 102 is not divisible by dp=4"),
         (["--pp", "32", "--dp", "1", "--nodes", "4"], "pp·v = 32 stages exceed the model's 24 layers"),
         (
-            ["--pp", "2", "--tp", "4", "--nodes", "1", "--schedule", "interleaved", "--virtual-stages", "5"],
-            "interleaved: 24 layers do not split into pp·v = 10 equal chunks",
+            ["--pp", "2", "--tp", "4", "--nodes", "1", "--schedule", "interleaved", "--virtual-stages", "14"],
+            "pp·v = 28 stages exceed the model's 24 layers (every chunk but the embedding's",
         ),
         (
             ["--pp", "4", "--nodes", "1", "--schedule", "interleaved", "--global-batch", "4"],

@@ -43,11 +43,14 @@ def plan_with(profiles, cluster, *, batch, seq=SEQ, c=None, model="tiny"):
 
 
 def _layouts(blocks: int, pp: int, v: int, allowed: tuple[str, ...], choices: tuple[str, ...] = RECOMPUTE):
-    sizes = (
-        [[blocks // pp] * pp]
-        if v > 1
-        else [list(c) for c in itertools.product(range(1, blocks + 1), repeat=pp) if sum(c) == blocks]
-    )
+    # every rank holds a block per chunk, but the chunks of the embedding and the head (interleaved:
+    # rank totals need not be equal, the chunks come out uneven)
+    need = [1] * pp if v == 1 else [v - (k == 0) - (k == pp - 1) for k in range(pp)]
+    sizes = [
+        list(c)
+        for c in itertools.product(range(blocks + 1), repeat=pp)
+        if sum(c) == blocks and all(n >= lo for n, lo in zip(c, need, strict=True))
+    ]
     idx = [choices.index(r) for r in allowed]
     for size in sizes:
         per_rank = []
@@ -321,5 +324,8 @@ def test_a_stage_names_its_chunks() -> None:
     two = stage(["blocks.2", "blocks.3", "blocks.6", "blocks.7", "head"])  # interleaved, v = 2
     assert two.chunks == [("blocks.2", "blocks.3"), ("blocks.6", "blocks.7", "head")]
     assert two.layers_summary == "blocks.2 … blocks.3 | blocks.6 … head (5)"
+    # uneven interleaved chunks as the plan states them: the embedding alone, then one block
+    alone = replace(stage(["embed", "blocks.1"]), chunk_sizes=(1, 1))
+    assert alone.chunks == [("embed",), ("blocks.1",)] and alone.layers_summary == "embed | blocks.1 (2)"
     many = stage([f"blocks.{i}" for c in range(4) for i in (4 * c, 4 * c + 1)])
     assert many.layers_summary == "4 chunks: blocks.0 … blocks.1 | … | blocks.12 … blocks.13 (8)"

@@ -127,10 +127,16 @@ make_hf_gpt2 = functools.partial(hf.gpt2, layers=3, seq=SEQ)
 
 
 def test_pp2_hugging_face_gpt2_uneven_stages(tmp_path) -> None:
-    """3 blocks on 2 ranks: the planner's uneven split is what runs."""
-    plan = _plan(make_hf_gpt2, pp=2, dp=1, tp=1, schedule="1f1b")
-    assert sorted(_blocks_per_stage(plan)) == [1, 2]
-    _run_and_check(make_hf_gpt2, [plan], tmp_path)
+    """3 blocks on 2 ranks: the planner's uneven split is what runs, under 1F1B and interleaved
+    (4 chunks for 3 blocks: one chunk holds the embedding or the head alone)."""
+    plans = [
+        _plan(make_hf_gpt2, pp=2, dp=1, tp=1, schedule="1f1b"),
+        _plan(make_hf_gpt2, pp=2, dp=1, tp=1, schedule="interleaved", virtual_stages=2),
+    ]
+    assert [sorted(_blocks_per_stage(p)) for p in plans] == [[1, 2], [1, 2]]
+    chunks = [len(c) for s in plans[1].stages for c in s.chunks]
+    assert sorted(chunks) == [1, 1, 1, 2], plans[1].text()  # the embedding or the head alone in one
+    _run_and_check(make_hf_gpt2, plans, tmp_path)
 
 
 def test_planner_made_plan_runs_through_verify(capsys, tmp_path) -> None:
