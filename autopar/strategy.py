@@ -216,17 +216,15 @@ class Strategy:
     def chunk_blocks(self, blocks: int) -> list[int]:
         """Blocks per pipeline chunk in model order (p·v chunks, chunk c on rank c mod p).
 
-        Without a layout, ``even_split``. With one, each rank's blocks spread as evenly as its v
-        chunks allow; a rank with fewer than a multiple of v leaves the short chunks where the
-        embedding (chunk 0) or the head (chunk p·v − 1) already runs, so a first or last stage one
-        block lighter (Llama 3's 405B layout, Dubey et al. 2024 §3.3.2) is chunks of one block
-        and a chunk of the embedding alone."""
+        Each rank's blocks (``blocks_per_rank``) spread as evenly as its v chunks allow; a rank
+        with fewer than a multiple of v leaves the short chunks where the embedding (chunk 0) or
+        the head (chunk p·v − 1) already runs, so a first or last stage one block lighter (Llama
+        3's 405B layout, Dubey et al. 2024 §3.3.2) is chunks of one block and a chunk of the
+        embedding alone."""
         p, v = self.pp, self.virtual_stages
-        if not self.layout:
-            return even_split(blocks, p * v)
         edges = (0, p * v - 1)
         chunks = [0] * (p * v)
-        for rank, counts in enumerate(self.layout):
+        for rank, counts in enumerate(self.blocks_per_rank(blocks)):
             mine = [rank + i * p for i in range(v)]
             order = [c for c in mine if c not in edges] + [c for c in mine if c in edges]
             base, extra = divmod(sum(counts), v)
@@ -243,12 +241,11 @@ class Strategy:
 
     def blocks_per_rank(self, blocks: int) -> list[tuple[int, ...]]:
         """Block counts per rank by recompute choice (``choices``): the layout, or an even
-        split (chunk c of p·v runs on rank c mod p) with ``recompute`` everywhere."""
+        split over the ranks (``even_split``) with ``recompute`` everywhere."""
         if self.layout:
             return list(self.layout)
-        chunks = even_split(blocks, self.pp * self.virtual_stages)
         index = self.choices.index(self.recompute)
-        totals = [sum(chunks[r :: self.pp]) for r in range(self.pp)]
+        totals = even_split(blocks, self.pp)
         return [tuple(n if i == index else 0 for i in range(len(self.choices))) for n in totals]
 
     def to_dict(self) -> dict[str, Any]:

@@ -42,18 +42,17 @@ def max_blocks(terms: Terms, rank: int, capacity: float, recompute: str) -> int:
 FREE_INTERLEAVED_PP = 4
 """Up to this pipeline depth the layout ILP decides how many blocks each interleaved rank holds,
 as it does for 1F1B stages; deeper, each holds the even split's count (``even_split`` over the
-p·v chunks: extra blocks to the middle chunks, so where the blocks don't fill every chunk the
-embedding's and the head's ranks are a block lighter). Measured here: with free counts a pp-32
-interleaved layout ILP of GPT-3 175B took 1.4–5 s to prove optimal (0.03 s with the counts
-fixed), and planning Llama-3 405B on 16,384 GPUs 11 s instead of 3."""
+ranks: extra blocks to the middle ranks, so the embedding's and the head's are the lighter).
+Measured here: with free counts a pp-32 interleaved layout ILP of GPT-3 175B took 1.4–5 s to
+prove optimal (0.03 s with the counts fixed), and planning Llama-3 405B on 16,384 GPUs 11 s
+instead of 3."""
 
 
 def fixed_rank_blocks(st: Strategy, blocks: int) -> list[int] | None:
     """Blocks each pipeline rank must hold where ``FREE_INTERLEAVED_PP`` fixes them, else None."""
     if st.virtual_stages == 1 or st.pp <= FREE_INTERLEAVED_PP:
         return None
-    chunks = even_split(blocks, st.pp * st.virtual_stages)
-    return [sum(chunks[k :: st.pp]) for k in range(st.pp)]
+    return even_split(blocks, st.pp)
 
 
 def fits_somehow(terms: Terms, blocks: int, capacity: float, allowed: tuple[str, ...]) -> bool:

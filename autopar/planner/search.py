@@ -38,7 +38,7 @@ from autopar.cost_models.terms import (
     Terms,
     dp_exposed_s,
 )
-from autopar.planner.layout_ilp import fits_somehow, max_blocks, solve_layout
+from autopar.planner.layout_ilp import fits_somehow, fixed_rank_blocks, max_blocks, solve_layout
 from autopar.planner.pricing import Pricer
 from autopar.planner.recompute_ilp import recompute_choices
 from autopar.request import Constraints, PlanRequest
@@ -184,8 +184,10 @@ def measured_first(cluster: Cluster, strategies: list[Strategy]) -> list[Strateg
 def lower_bound_s(
     terms: Terms, blocks: int, capacity: float = math.inf, allowed: tuple[str, ...] = ("none",)
 ) -> float:
-    """A bound no layout beats: perfect balance, no DP traffic, and only as much recompute as
-    memory forces (blocks that no rank can hold without it pay the cheapest recompute)."""
+    """A bound no layout beats: perfect balance (or, where a deep interleaved pipeline fixes each
+    rank's count, ``fixed_rank_blocks``, the slowest rank's blocks and edges without recompute),
+    no DP traffic, and only as much recompute as memory forces (blocks that no rank can hold
+    without it pay the cheapest recompute)."""
     st = terms.strategy
     u = terms.block["none"]
     without = sum(min(max_blocks(terms, k, capacity, "none"), blocks) for k in range(st.pp))
@@ -195,6 +197,10 @@ def lower_bound_s(
         blocks * u.time_s + forced * (min(extras) if extras else 0.0) + terms.embed.time_s + terms.head.time_s
     )
     per_rank = max(total / st.pp, terms.embed.time_s, terms.head.time_s, u.time_s)
+    fixed = fixed_rank_blocks(st, blocks)
+    if fixed:  # a deep interleaved pipeline: each rank's count is the even split's
+        edge_s = [terms.embed.time_s * (k == 0) + terms.head.time_s * (k == st.pp - 1) for k in range(st.pp)]
+        per_rank = max(per_rank, *(n * u.time_s + e for n, e in zip(fixed, edge_s, strict=True)))
     params = blocks * u.params + terms.embed.params + terms.head.params
     # DP/ZeRO exposure is a max over ranks of convex hinges: at least that of the average rank,
     # taken with every block's backward as long as allowed (most overlap) and no re-gathering.

@@ -329,3 +329,27 @@ def test_a_stage_names_its_chunks() -> None:
     assert alone.chunks == [("embed",), ("blocks.1",)] and alone.layers_summary == "embed | blocks.1 (2)"
     many = stage([f"blocks.{i}" for c in range(4) for i in (4 * c, 4 * c + 1)])
     assert many.layers_summary == "4 chunks: blocks.0 … blocks.1 | … | blocks.12 … blocks.13 (8)"
+
+
+def test_a_deep_interleaved_pipeline_takes_the_even_split_and_its_bound_holds() -> None:
+    """pp 6 × v 2 over 14 blocks (deeper than FREE_INTERLEAVED_PP): each rank holds the even
+    split's count, the embedding's and the head's ranks the lighter ones, and the search's bound
+    (which uses those counts) stays at or below the layout ILP's optimum."""
+    from autopar.planner import Pricer
+    from autopar.planner.layout_ilp import FREE_INTERLEAVED_PP, fixed_rank_blocks, solve_layout
+    from autopar.planner.search import lower_bound_s
+
+    cfg = GPTConfig(n_layer=14, n_embd=64, n_head=4, vocab_size=4096, block_size=SEQ)
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.bfloat16)
+    profiles = ModelProfiles.of(model, dtype="bf16", seq=SEQ)
+    cluster = Cluster.preset("dgx-a100-80g", gpus_per_node=6)
+    st = Strategy(pp=6, micro_batch=1, global_batch=12, seq=SEQ, schedule="interleaved", virtual_stages=2)
+    assert st.pp > FREE_INTERLEAVED_PP
+    assert fixed_rank_blocks(st, 14) == [2, 2, 3, 3, 2, 2]  # the middle ranks hold the extras
+    terms = Pricer(profiles, cluster, dtype="bf16").terms(st)
+    allowed = ("none", "full")
+    layout, gap = solve_layout(terms, blocks=14, capacity=80e9, allowed=allowed, time_limit=10.0)
+    assert [sum(c) for c in layout] == [2, 2, 3, 3, 2, 2] and gap == 0.0
+    best = estimate(profiles.at(1), cluster, replace(st, layout=layout)).step_time_s
+    assert lower_bound_s(terms, 14, 80e9, allowed) <= best * (1 + 1e-9)
