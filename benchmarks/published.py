@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,6 +74,20 @@ TORCHTITAN_OP_SAC = ("mm#0", "mm#2", "sdpa#0", "mm#4", "mm#6")
 """torchtitan's per-op selective AC on a Llama block (``_apply_op_sac``): every matmul output
 but every second one (wq and wv kept, wk and wo recomputed; w1 and w2 kept, w3 recomputed), and
 the attention kernel's outputs; everything else recomputed."""
+
+
+def _torchtitan_8b(gpus: int) -> dict[str, Any]:
+    """What torchtitan's Llama-3.1 8B runs on ``gpus`` power-capped H100s share, for their
+    throughput and their memory: FSDP over all of them, local batch 2, seq 8192, per-op SAC."""
+    return {
+        "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md",
+        "model": "llama3-8b",
+        "cluster": "h100-96g-500w",
+        "nodes": gpus // 8,
+        "strategy": Strategy(dp=gpus, zero=3, micro_batch=2, global_batch=2 * gpus, seq=8192),
+        "keep": TORCHTITAN_OP_SAC,
+    }
+
 
 RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
@@ -146,29 +161,15 @@ RUNS: tuple[PublishedRun, ...] = (
         measured=597.3,
         in_sample="the only check of the h100-96g-500w preset's power-cap assumption",
     ),
-    PublishedRun(
-        name="llama3.1-8b 8×H100-500W FSDP8 op-SAC",
-        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md",
-        model="llama3-8b",
-        cluster="h100-96g-500w",
-        nodes=1,
-        strategy=Strategy(dp=8, zero=3, micro_batch=2, global_batch=16, seq=8192),
-        metric="tokens_per_s_per_gpu",
-        measured=5762.0,
-        in_sample=ATTENTION_TERMS,
-        keep=TORCHTITAN_OP_SAC,
-    ),
-    PublishedRun(
-        name="llama3.1-8b 128×H100-500W FSDP128 op-SAC",
-        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md",
-        model="llama3-8b",
-        cluster="h100-96g-500w",
-        nodes=16,
-        strategy=Strategy(dp=128, zero=3, micro_batch=2, global_batch=256, seq=8192),
-        metric="tokens_per_s_per_gpu",
-        measured=5605.0,
-        in_sample=ATTENTION_TERMS,
-        keep=TORCHTITAN_OP_SAC,
+    *(
+        PublishedRun(
+            name=f"llama3.1-8b {gpus}×H100-500W FSDP{gpus} op-SAC",
+            metric="tokens_per_s_per_gpu",
+            measured=tokens,
+            in_sample=ATTENTION_TERMS,
+            **_torchtitan_8b(gpus),
+        )
+        for gpus, tokens in ((8, 5762.0), (128, 5605.0))
     ),
 )
 
@@ -193,29 +194,14 @@ class MemoryRun:
     """That policy as the calls each block keeps (``op#k``, ``RecomputePolicy.keep``), if stated."""
 
 
-MEMORY_RUNS: tuple[MemoryRun, ...] = (
+MEMORY_RUNS: tuple[MemoryRun, ...] = tuple(
     MemoryRun(
-        name="llama3.1-8b 8×H100-500W FSDP8 mb2",
-        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md",
-        model="llama3-8b",
-        cluster="h100-96g-500w",
-        nodes=1,
-        strategy=Strategy(dp=8, zero=3, micro_batch=2, global_batch=16, seq=8192),
-        measured_gib=82.4,
+        name=f"llama3.1-8b {gpus}×H100-500W FSDP{gpus} mb2",
+        measured_gib=gib,
         policy="per-op selective checkpointing",
-        keep=TORCHTITAN_OP_SAC,
-    ),
-    MemoryRun(
-        name="llama3.1-8b 128×H100-500W FSDP128 mb2",
-        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md",
-        model="llama3-8b",
-        cluster="h100-96g-500w",
-        nodes=16,
-        strategy=Strategy(dp=128, zero=3, micro_batch=2, global_batch=256, seq=8192),
-        measured_gib=67.0,
-        policy="per-op selective checkpointing",
-        keep=TORCHTITAN_OP_SAC,
-    ),
+        **_torchtitan_8b(gpus),
+    )
+    for gpus, gib in ((8, 82.4), (128, 67.0))
 )
 
 

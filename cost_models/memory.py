@@ -95,8 +95,7 @@ def comm_buffer_bytes(
     """Communication buffers of each pipeline rank: two DDP buckets (ZeRO 0–1), two pipeline
     send/receive buffers, and under ZeRO-3 without a pipeline two gathered copies of the rank's
     biggest layer (a block's parameters on one GPU, or the embedding's on the first rank, the
-    head's on the last; FSDP2 keeps its root, which holds the embedding and the head, gathered
-    from forward to backward)."""
+    head's on the last)."""
     t, p = st.tp, st.pp
     w = STATE_BYTES[st.dtype][0]
     embed, head = edge_params
