@@ -13,7 +13,15 @@ from typing import Any
 
 from autopar.errors import AutoparError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
+ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
+"""Schedules that split each backward into its input-gradient (B) and weight-gradient (W) parts
+and run the W parts in what would be bubble (Qi et al. 2024, "Zero Bubble Pipeline Parallelism")."""
+V_SHAPE = ("zbv", "dualpipev")
+"""Schedules with two chunks per rank placed in a V: rank k holds chunks k and 2p − 1 − k, so the
+first rank runs both the embedding's chunk and the head's (Qi et al. 2024 §6; DeepSeek-V3's DualPipeV)."""
+MULTI_CHUNK = ("interleaved", *ZERO_BUBBLE)
+"""Schedules that may run more than one model chunk (virtual stage) per rank."""
 RECOMPUTE = ("none", "selective", "full")
 """The recompute choices every model has; a strategy adds its per-operator policies after them."""
 SAC = "sac"
@@ -106,9 +114,12 @@ class Strategy:
     """Activation recomputation of every block (when there is no ``layout``): none, selective
     (the attention core, Korthikanti et al. 2022), full, or one of ``policies`` by name."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b or interleaved."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved (1F1B over v chunks per rank), interleaved-zb
+    (zero bubble ZB1P over v chunks; v = 1 is ZB-H1), zbv or dualpipev (zero bubble, two chunks
+    per rank in a V)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (v); > 1 only with the interleaved schedule."""
+    """Model chunks per pipeline rank (v); > 1 only with a multi-chunk schedule (``MULTI_CHUNK``),
+    exactly 2 in a V (``V_SHAPE``)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism on the TP axis (norms and dropout sharded by sequence)."""
     dtype: str = "bf16"
@@ -151,9 +162,15 @@ class Strategy:
 
     def _check_batch_and_layout(self) -> None:
         """The schedule, batch split, sequence parallelism and layout agree with the degrees."""
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.virtual_stages > 1 and self.schedule not in MULTI_CHUNK:
             raise StrategyError(
-                f"virtual stages {self.virtual_stages} need --schedule interleaved (got {self.schedule})"
+                f"virtual stages {self.virtual_stages} need a schedule of several chunks per rank "
+                f"({', '.join(MULTI_CHUNK)}); got {self.schedule}"
+            )
+        if self.schedule in V_SHAPE and self.virtual_stages != 2:
+            raise StrategyError(
+                f"{self.schedule} runs exactly 2 chunks per rank (a V); "
+                f"got --virtual-stages {self.virtual_stages}"
             )
         per_replica, rem = divmod(self.global_batch, self.dp)
         if rem:
@@ -183,7 +200,7 @@ class Strategy:
         cls, world_size: int, *, dp: int | None = None, virtual_stages: int | None = None, **knobs: Any
     ) -> Strategy:
         """A strategy for ``world_size`` GPUs from the knobs given: ``dp`` defaults to the GPUs
-        tp·pp leave (world ÷ (tp·pp)), ``virtual_stages`` to 2 under the interleaved schedule
+        tp·pp leave (world ÷ (tp·pp)), ``virtual_stages`` to 2 under a multi-chunk schedule
         (1 otherwise)."""
         tp, pp = knobs.get("tp", 1), knobs.get("pp", 1)
         if dp is None:
@@ -191,7 +208,7 @@ class Strategy:
             if rem or dp == 0:
                 raise StrategyError(f"tp·pp = {tp * pp} does not divide the cluster's {world_size} GPUs")
         if virtual_stages is None:
-            virtual_stages = 2 if knobs.get("schedule") == "interleaved" else 1
+            virtual_stages = 2 if knobs.get("schedule") in MULTI_CHUNK else 1
         return cls(dp=dp, virtual_stages=virtual_stages, **knobs)
 
     @property
@@ -213,8 +230,26 @@ class Strategy:
         """Micro-batches per pipeline per step: m = B / (dp · b)."""
         return self.global_batch // (self.dp * self.micro_batch)
 
+    def chunk_rank(self, chunk: int) -> int:
+        """The pipeline rank that runs model chunk ``chunk`` (of p·v): c mod p (looped: Megatron's
+        interleaving, torch's ``ScheduleInterleaved*``), or in a V (``V_SHAPE``) c for c < p and
+        2p − 1 − c after (torch's ``generate_stage_to_rank_mapping(style="v")``)."""
+        p = self.pp
+        if self.schedule in V_SHAPE:
+            return chunk if chunk < p else 2 * p - 1 - chunk
+        return chunk % p
+
+    @property
+    def head_rank(self) -> int:
+        """The pipeline rank of the last chunk (the head): p − 1, or 0 in a V."""
+        return self.chunk_rank(self.pp * self.virtual_stages - 1)
+
+    def rank_chunks(self, rank: int) -> list[int]:
+        """The chunks pipeline rank ``rank`` runs, in model order."""
+        return [c for c in range(self.pp * self.virtual_stages) if self.chunk_rank(c) == rank]
+
     def chunk_blocks(self, blocks: int) -> list[int]:
-        """Blocks per pipeline chunk in model order (p·v chunks, chunk c on rank c mod p).
+        """Blocks per pipeline chunk in model order (p·v chunks, chunk c on ``chunk_rank(c)``).
 
         Each rank's blocks (``blocks_per_rank``) spread as evenly as its v chunks allow; a rank
         with fewer than a multiple of v leaves the short chunks where the embedding (chunk 0) or
@@ -225,7 +260,7 @@ class Strategy:
         edges = (0, p * v - 1)
         chunks = [0] * (p * v)
         for rank, counts in enumerate(self.blocks_per_rank(blocks)):
-            mine = [rank + i * p for i in range(v)]
+            mine = self.rank_chunks(rank)
             order = [c for c in mine if c not in edges] + [c for c in mine if c in edges]
             base, extra = divmod(sum(counts), v)
             for j, c in enumerate(order):
@@ -234,10 +269,11 @@ class Strategy:
 
     def min_rank_blocks(self, rank: int) -> int:
         """Fewest blocks pipeline rank ``rank`` may hold: one per chunk, but the chunks of the
-        embedding and the head may hold them alone (1 per rank without interleaving)."""
+        embedding and the head may hold them alone (1 per rank without interleaving, and at
+        least 1 always)."""
         if self.virtual_stages == 1:
             return 1
-        return self.virtual_stages - (rank == 0) - (rank == self.pp - 1)
+        return max(1, self.virtual_stages - (rank == 0) - (rank == self.head_rank))
 
     def blocks_per_rank(self, blocks: int) -> list[tuple[int, ...]]:
         """Block counts per rank by recompute choice (``choices``): the layout, or an even
@@ -311,19 +347,34 @@ def check_strategy(
         )
     if s.layout and sum(map(sum, s.layout)) != blocks:
         raise StrategyError(f"layout places {sum(map(sum, s.layout))} blocks but the model has {blocks}")
-    if s.schedule == "interleaved":
-        if s.virtual_stages < 2:
-            raise StrategyError("the interleaved schedule needs --virtual-stages >= 2")
-        if s.micro_batches % s.pp:
-            raise StrategyError(
-                f"interleaved: {s.micro_batches} micro-batches are not a multiple of pp={s.pp}"
-            )
-        short = [k for k, c in enumerate(s.layout) if sum(c) < s.min_rank_blocks(k)]
-        if short:
-            k = short[0]
-            raise StrategyError(
-                f"interleaved: rank {k} holds {sum(s.layout[k])} blocks but its {s.virtual_stages} chunks "
-                f"need {s.min_rank_blocks(k)} (one each, but the embedding's and the head's)"
-            )
+    _check_schedule(s)
     if seq_limit is not None and s.seq > seq_limit:
         raise StrategyError(f"seq {s.seq} exceeds the model's maximum {seq_limit}")
+
+
+def _check_schedule(s: Strategy) -> None:
+    """The micro-batch count and layout the pipeline schedule needs (torch's schedules refuse
+    the rest)."""
+    m, p = s.micro_batches, s.pp
+    if s.schedule == "interleaved" and s.virtual_stages < 2:
+        raise StrategyError("the interleaved schedule needs --virtual-stages >= 2")
+    if s.schedule in ("interleaved", "interleaved-zb") and p > 1 and m % p:
+        raise StrategyError(f"{s.schedule}: {m} micro-batches are not a multiple of pp={p}")
+    if s.schedule in V_SHAPE and m < 2 * p:
+        raise StrategyError(
+            f"{s.schedule}: {m} micro-batches are fewer than its 2·pp = {2 * p} chunks; "
+            "raise the global batch or lower the micro-batch"
+        )
+    if s.schedule in ZERO_BUBBLE and s.zero == 3 and s.dp > 1 and p > 1:
+        raise StrategyError(
+            f"{s.schedule} cannot run with ZeRO-3: FSDP2 reshards the weights after each input-gradient "
+            "pass, before torch's separate weight-gradient pass needs them; use --zero 2 or another "
+            "--schedule"
+        )
+    short = [k for k, c in enumerate(s.layout) if s.virtual_stages > 1 and sum(c) < s.min_rank_blocks(k)]
+    if short:
+        k = short[0]
+        raise StrategyError(
+            f"{s.schedule}: rank {k} holds {sum(s.layout[k])} blocks but its {s.virtual_stages} chunks "
+            f"need {s.min_rank_blocks(k)} (one each, but the embedding's and the head's)"
+        )

@@ -58,6 +58,14 @@ def layer_backward_s(layer: LayerCost, device: DeviceSpec, dtype: str, *, tp: in
     return 2 * fwd_s + (FLASH_BACKWARD_RATIO - 2) * attention_forward_s(layer, device, dtype, tp=tp)
 
 
+def weight_grad_s(params: float, *, tokens: int, device: DeviceSpec, dtype: str, backward_s: float) -> float:
+    """The weight-gradient part W of a layer's backward on one GPU: its matmuls' weight
+    gradients, dW = dYᵀ·X, 2 FLOPs per parameter per token (the same FLOPs as their forward; the
+    input gradient B is the rest: Qi et al. 2024 §2), at the device's matmul rate, at most half
+    of ``backward_s`` (a measured or roofline backward: what has no weights splits to B)."""
+    return min(2 * tokens * params / device.achievable_flops(dtype), backward_s / 2)
+
+
 def optimizer_s_per_param(cluster: Cluster, st: Strategy) -> float:
     """Optimizer seconds per parameter a GPU updates: measured where the cluster has a compute
     profile for this dtype (on DTensor parameters when the runtime makes them DTensors: under

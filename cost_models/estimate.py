@@ -23,13 +23,13 @@ from typing import Any
 
 from autopar.cluster import Cluster
 from autopar.cost_models import comm
+from autopar.cost_models.dp_overlap import dp_exposed_s
 from autopar.cost_models.profile import ModelProfile
 from autopar.cost_models.terms import (
     RankLoad,
     Terms,
     TPLayout,
     build_terms,
-    dp_exposed_s,
     rank_load,
     rank_memory_terms,
 )
@@ -224,9 +224,10 @@ def _topology_notes(terms: Terms, cluster: Cluster, st: Strategy) -> list[str]:
 
 
 def _breakdown(terms: Terms, st: Strategy, loads: list[RankLoad]) -> dict[str, float]:
-    """Step time by term: the slowest rank's m micro-batches, the bubble (p − 1)/v of a
-    micro-batch, and the worst rank's exposed DP/ZeRO communication and optimizer step."""
-    m, p, v = st.micro_batches, st.pp, st.virtual_stages
+    """Step time by term: the slowest rank's m micro-batches, the schedule's bubble in its
+    micro-batch times (``pipeline.bubble_rounds``: (p − 1)/v for 1F1B and interleaving), and the
+    worst rank's exposed DP/ZeRO communication and optimizer step."""
+    m, p = st.micro_batches, st.pp
     slow = max(range(p), key=lambda k: loads[k].time_s)
     r = loads[slow]
     t_mb = r.time_s + terms.p2p_s
@@ -235,7 +236,7 @@ def _breakdown(terms: Terms, st: Strategy, loads: list[RankLoad]) -> dict[str, f
         "recompute": m * r.recompute_s,
         "tp_comm": m * r.tp_s,
         "p2p": m * terms.p2p_s,
-        "bubble": (p - 1) / v * t_mb,
+        "bubble": terms.bubble_rounds * t_mb,
         "dp_comm": max(dp_exposed_s(terms, load) for load in loads),
         "optimizer": max(load.params * terms.opt_s_per_param for load in loads),
     }
@@ -302,7 +303,7 @@ def measurement_notes(profile: ModelProfile, cluster: Cluster, st: Strategy) -> 
 
 def stage_chunks(profile: ModelProfile, st: Strategy) -> list[list[tuple[str, ...]]]:
     """Layer names per model chunk, per pipeline rank: the blocks of each chunk
-    (``Strategy.chunk_blocks``; chunk c on rank c mod p, one chunk per rank without
+    (``Strategy.chunk_blocks``; chunk c on ``Strategy.chunk_rank(c)``, one chunk per rank without
     interleaving), the embedding first in chunk 0 and the head last in the last chunk."""
     names = profile.layer_names
     blocks = list(names[1:-1])
@@ -313,7 +314,7 @@ def stage_chunks(profile: ModelProfile, st: Strategy) -> list[list[tuple[str, ..
         start += size
     chunks[0].insert(0, names[0])
     chunks[-1].append(names[-1])
-    return [[tuple(chunks[c]) for c in range(k, len(chunks), st.pp)] for k in range(st.pp)]
+    return [[tuple(chunks[c]) for c in st.rank_chunks(k)] for k in range(st.pp)]
 
 
 def stage_layer_names(profile: ModelProfile, st: Strategy) -> list[list[str]]:

@@ -53,12 +53,20 @@ def inflight_stage_copies(schedule: str, *, stage: int, pp: int, micro_batches: 
     runs min(2(p − i − 1) + (v − 1)·p, m·v − 1) warm-up chunk forwards before
     its first backward (Megatron-LM schedule), so it holds that many plus one
     chunks, each 1/v of the stage (exact when its chunks are equal; a rank's chunks differ
-    by at most a block, ``Strategy.chunk_blocks``).
+    by at most a block, ``Strategy.chunk_blocks``). Zero-bubble schedules keep a chunk's
+    activations until its deferred weight gradient W: every rank holds p stages' worth under
+    interleaved-zb and ZBV (Qi et al. 2024: ZB-H1 and ZB-V at 1F1B's peak p·M_B), p + ½ under
+    DualPipeV (2p + 1 chunks); the peaks of torch's own orders (``pipeline.simulate_orders``,
+    checked in the tests).
     """
     if schedule == "gpipe":
         return float(micro_batches)
     if schedule == "1f1b":
         return float(min(pp - stage, micro_batches))
+    if schedule in ("interleaved-zb", "zbv"):  # every rank, from the deferred W passes
+        return float(pp)
+    if schedule == "dualpipev":
+        return pp + 0.5
     warmup = min(2 * (pp - stage - 1) + (virtual - 1) * pp, micro_batches * virtual - 1)
     return (warmup + 1) / virtual
 
@@ -104,7 +112,7 @@ def comm_buffer_bytes(
     gathered = st.zero == 3 and p == 1  # under a pipeline the weights stay gathered (rank_state_bytes)
     buffers = []
     for rank in range(p):
-        biggest = max(block_params, embed if rank == 0 else 0.0, head if rank == p - 1 else 0.0)
+        biggest = max(block_params, embed if rank == 0 else 0.0, head if rank == st.head_rank else 0.0)
         buffers.append(base_buffers + (2 * biggest * w if gathered else 0.0))
     return tuple(buffers)
 

@@ -17,7 +17,13 @@ from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models import comm
 from autopar.cost_models import memory as mem
 from autopar.cost_models import recompute as rc
-from autopar.cost_models.compute import layer_backward_s, layer_forward_s, optimizer_s_per_param
+from autopar.cost_models.compute import (
+    layer_backward_s,
+    layer_forward_s,
+    optimizer_s_per_param,
+    weight_grad_s,
+)
+from autopar.cost_models.pipeline import bubble_rounds
 from autopar.cost_models.profile import LayerCost, ModelProfile
 from autopar.errors import AutoparError
 from autopar.measurements import ComputeProfile, LayerTiming
@@ -51,6 +57,9 @@ class Unit:
     """Activations without recompute (rematerialised for one layer at a time under full)."""
     params: float
     """Parameters on this GPU (÷ tp)."""
+    wgrad_s: float
+    """The weight-gradient part of ``bwd_compute_s`` (``compute.weight_grad_s``): what a
+    zero-bubble schedule runs apart from the rest of the backward."""
     fwd_flops: float
     """Forward FLOPs (whole layer, for throughput)."""
     recompute_flops: float
@@ -86,6 +95,9 @@ class Terms:
     """Point-to-point per micro-batch on every rank (2v sends when pp > 1)."""
     inflight: tuple[float, ...]
     """Micro-batches of activations each rank holds at peak."""
+    bubble_rounds: float
+    """The schedule's bubble in micro-batch times of a rank (``pipeline.bubble_rounds``, at a
+    block's ratio of forward, input-gradient and weight-gradient time)."""
     state_bytes_per_param: float
     """Weights + gradients + optimizer bytes per parameter on a GPU after ZeRO sharding."""
     weight_bytes: int
@@ -250,16 +262,20 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     tp_fwd, tp_bwd = _tp_phases_s(ctx, name, lc, chosen)
     redo_s, act, redo_flops = _redone(ctx, lc, choice, fwd, stream_share=share, measured=got)
     whole_block = choice == "full" or st.policy(choice) is not None  # its forward's collectives again
+    bwd = got.backward_s if got else layer_backward_s(lc, ctx.device, st.dtype, tp=t, fwd_s=fwd)
+    params = chosen.local_params if chosen is not None else lc.params / t
+    tokens = st.micro_batch * st.seq
     return Unit(
         fwd_s=fwd,
-        bwd_compute_s=got.backward_s if got else layer_backward_s(lc, ctx.device, st.dtype, tp=t, fwd_s=fwd),
+        bwd_compute_s=bwd,
+        wgrad_s=weight_grad_s(params, tokens=tokens, device=ctx.device, dtype=st.dtype, backward_s=bwd),
         recompute_s=redo_s,
         tp_s=tp_fwd * (2 if whole_block else 1) + tp_bwd,
         act_bytes=act,
         act_full_bytes=mem.layer_activation_bytes(
             lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes
         ),
-        params=chosen.local_params if chosen is not None else lc.params / t,
+        params=params,
         fwd_flops=float(lc.fwd_flops),
         recompute_flops=redo_flops,
     )
@@ -301,6 +317,12 @@ def _redone(
     )
 
 
+def _bubble_rounds(st: Strategy, u: Unit) -> float:
+    """``pipeline.bubble_rounds`` at a block's F (forward and its TP half), W and B (the rest)."""
+    fwd = u.fwd_s + u.tp_s / 2
+    return bubble_rounds(st, fwd_s=fwd, bwd_input_s=u.time_s - fwd - u.wgrad_s, wgrad_s=u.wgrad_s)
+
+
 def build_terms(
     profile: ModelProfile,
     cluster: Cluster,
@@ -336,6 +358,7 @@ def build_terms(
             mem.inflight_stage_copies(st.schedule, stage=r, pp=p, micro_batches=m, virtual=v)
             for r in range(p)
         ),
+        bubble_rounds=_bubble_rounds(st, blocks["none"]),
         state_bytes_per_param=mem.state_bytes_per_param(st),
         weight_bytes=w,
         grad_bytes=GRAD_REDUCE_BYTES[st.dtype],
@@ -387,6 +410,7 @@ class RankLoad:
     recompute_s: float
     tp_s: float
     bwd_s: float
+    wgrad_s: float
     params: float
     layers: int
     act_bytes: float
@@ -407,7 +431,7 @@ def rank_units(terms: Terms, rank: int, counts: tuple[int, ...]) -> list[tuple[s
     """(recompute, unit, count) on pipeline rank ``rank``: ``counts`` blocks per recompute
     choice (``Strategy.choices``), the embedding on the first rank and the head on the last."""
     units = [(r, terms.block[r], n) for r, n in zip(terms.strategy.choices, counts, strict=True)]
-    last = len(terms.inflight) - 1
+    last = terms.strategy.head_rank
     return units + [("none", terms.embed, 1)] * (rank == 0) + [("none", terms.head, 1)] * (rank == last)
 
 
@@ -420,64 +444,11 @@ def rank_load(terms: Terms, rank: int, counts: tuple[int, ...]) -> RankLoad:
         recompute_s=sum(u.recompute_s * n for u, n in units),
         tp_s=sum(u.tp_s * n for u, n in units),
         bwd_s=sum(u.bwd_s * n for u, n in units),
+        wgrad_s=sum(u.wgrad_s * n for u, n in units),
         params=sum(u.params * n for u, n in units),
         layers=sum(n for _, n in units),
         act_bytes=sum(u.act_bytes * n for u, n in units),
         rematerialises=any(n for r, n in zip(terms.strategy.choices, counts, strict=True) if remat(r)),
-    )
-
-
-def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
-    """Data-parallel / ZeRO time this rank cannot hide (the overlap rule in estimate's doc).
-
-    With L = layers on the rank, one all-gather of S bytes costs α_g + σ_g·S, one
-    reduce-scatter α_r + σ_r·S and one all-reduce α_a + σ_a·S (ring: α_g = α_r = (dp−1)·α,
-    σ_g = σ_r = (dp−1)/(dp·β), α_a = 2α_g, σ_a = 2σ_g; or measured), G gradient bytes,
-    W weight bytes, overlap O = κ·(backward − one block's backward), and fwd, bwd below
-    also scaled by κ, the share of compute that hides communication (``Terms.overlap``):
-      ZeRO-0  max(B, α_a + σ_a·G − O), B the last bucket's all-reduce (``last_bucket_s``)
-      ZeRO-1  max(B, α_a + σ_a·G − O) + α_g + σ_g·W (torch's ZeroRedundancyOptimizer keeps
-              DDP's all-reduce, then broadcasts each updated shard)
-      ZeRO-2  m·max(0, L·α_r + σ_r·G − O) + α_g + σ_g·W
-      ZeRO-3  m·[max(g₁, L·α_g + σ_g·W − fwd) + max(g₁ + r₁, L·α_g + σ_g·W + L·α_r + σ_r·G − bwd)]
-    with g₁, r₁ one block's gather and reduce-scatter (``zero3_unhidden_s``): no compute precedes
-    the first block's gather in each direction or follows the last one's reduce-scatter. ZeRO-3
-    gathers each block twice per micro-batch, also under full recompute: the FSDP2 unit wraps the
-    checkpointed block (recompute before ``fully_shard``, as torchtitan's ``apply_ac`` precedes
-    ``apply_fsdp``), so the pre-backward gather serves the recomputed forward and the backward.
-    Under a pipeline (pp > 1) torch's schedules reduce-scatter only in the step's last backward
-    (``memory.rank_state_bytes``): ZeRO-2 pays its term once, not m times, and ZeRO-3
-      m·[max(g₁, L·α_g + σ_g·W − fwd) + max(g₁, L·α_g + σ_g·W − bwd)] + max(r₁, L·α_r + σ_r·G − bwd).
-    """
-    st, lat, spb = terms.strategy, terms.lat_s, terms.s_per_byte
-    rlat, rspb = terms.rs_lat_s, terms.rs_s_per_byte
-    if st.dp == 1:
-        return 0.0
-    grad, weights = load.params * terms.grad_bytes, load.params * terms.weight_bytes
-    kappa = terms.overlap
-    overlap = kappa * (load.bwd_s - terms.block["none"].bwd_s)
-    m = st.micro_batches
-    if st.zero in (0, 1):
-        ddp = max(terms.last_bucket_s, terms.ar_lat_s + terms.ar_s_per_byte * grad - overlap)
-        return ddp + (lat + spb * weights if st.zero == 1 else 0.0)
-    reductions = 1 if st.pp > 1 else m  # reduce-scatters per step
-    if st.zero == 2:
-        return reductions * max(0.0, load.layers * rlat + rspb * grad - overlap) + lat + spb * weights
-    gather, reduce = load.layers * lat + spb * weights, load.layers * rlat + rspb * grad  # gather: fwd, bwd
-    first, last = zero3_unhidden_s(terms)
-    fwd, bwd = kappa * load.fwd_s, kappa * load.bwd_s
-    if st.pp > 1:
-        return m * (max(first, gather - fwd) + max(first, gather - bwd)) + max(last, reduce - bwd)
-    return m * (max(first, gather - fwd) + max(first + last, gather + reduce - bwd))
-
-
-def zero3_unhidden_s(terms: Terms) -> tuple[float, float]:
-    """(g₁, r₁): one block's ZeRO-3 weight all-gather and gradient reduce-scatter, the parts no
-    compute hides (``dp_exposed_s``)."""
-    block = terms.block["none"].params
-    return (
-        terms.lat_s + terms.s_per_byte * block * terms.weight_bytes,
-        terms.rs_lat_s + terms.rs_s_per_byte * block * terms.grad_bytes,
     )
 
 
@@ -489,7 +460,7 @@ def rank_memory_terms(terms: Terms, rank: int, load: RankLoad) -> dict[str, floa
     return {
         **mem.rank_state_bytes(load.params, terms.strategy),
         "activations": acts,
-        "loss": terms.loss_bytes if rank == len(terms.inflight) - 1 else 0.0,
+        "loss": terms.loss_bytes if rank == terms.strategy.head_rank else 0.0,
         "comm_buffers": terms.buffers[rank],
         "reserve": terms.reserve_bytes,
     }

@@ -6,6 +6,9 @@ Each rank runs its forwards (F) and backwards (B) of every micro-batch in its sc
 - GPipe: every F, then every B (Huang et al. 2019);
 - 1F1B: on rank k of p, min(p − 1 − k, m) warm-up forwards, then one F and one B in turn, then
   the remaining backwards (Narayanan et al. SC'21 §2.2, Fig. 4 top; torch's ``Schedule1F1B``);
+- zero-bubble schedules (interleaved-zb, ZBV, DualPipeV): torch's own order
+  (``pipeline.torch_orders``), each backward as B (recompute, input gradient, TP) and W (the
+  weight gradient) — chunk c on ``Strategy.chunk_rank(c)``, no hop between chunks of one rank;
 - interleaved 1F1B with v chunks per rank (chunk c on rank c mod p): min((p − k − 1)·2 +
   (v − 1)·p, m·v) warm-up forwards, then one F and one B in turn; the j-th forward of a rank
   runs local chunk (j ÷ p) mod v on micro-batch (j ÷ pv)·p + j mod p, the j-th backward local
@@ -28,8 +31,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from autopar.cost_models.terms import RankLoad, Terms, dp_exposed_s, rank_units
-from autopar.strategy import Strategy, remat
+from autopar.cost_models.dp_overlap import dp_exposed_s
+from autopar.cost_models.pipeline import torch_orders
+from autopar.cost_models.terms import RankLoad, Terms, rank_units
+from autopar.strategy import ZERO_BUBBLE, Strategy, remat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,8 +54,11 @@ class StageTime:
     """Backward compute."""
     tp_backward_s: float
     """Tensor-parallel collectives of the backward (and of the recomputed forward)."""
+    weight_grad_s: float = 0.0
+    """The weight-gradient part of ``backward_s`` (``compute.weight_grad_s``), which zero-bubble
+    schedules run apart (W)."""
     dp_comm_s: float
-    """DP/ZeRO communication the backward does not hide (``terms.dp_exposed_s``)."""
+    """DP/ZeRO communication the backward does not hide (``dp_overlap.dp_exposed_s``)."""
     optimizer_s: float
     """The optimizer step over the parameters this rank updates."""
 
@@ -87,6 +95,7 @@ def stage_times(terms: Terms, counts: list[tuple[int, ...]], loads: list[RankLoa
                 recompute_s=load.recompute_s,
                 backward_s=load.bwd_compute_s,
                 tp_backward_s=load.tp_s - tp_forward,
+                weight_grad_s=load.wgrad_s,
                 dp_comm_s=dp_exposed_s(terms, load),
                 optimizer_s=load.params * terms.opt_s_per_param,
             )
@@ -96,14 +105,18 @@ def stage_times(terms: Terms, counts: list[tuple[int, ...]], loads: list[RankLoa
 
 @dataclass(frozen=True)
 class _Op:
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" (the whole backward), "I" (its input gradient) or "W" (its weight gradient)
     micro_batch: int
-    chunk: int  # global chunk index, on rank chunk mod p
+    chunk: int  # global chunk index, on rank Strategy.chunk_rank(chunk)
 
 
 def schedule_order(st: Strategy, rank: int) -> list[_Op]:
-    """The operations of pipeline rank ``rank`` in the order its schedule runs them."""
+    """The operations of pipeline rank ``rank`` in the order its schedule runs them (zero
+    bubble: torch's own order, ``pipeline.torch_orders``)."""
     p, m, v = st.pp, st.micro_batches, st.virtual_stages
+    if st.schedule in ZERO_BUBBLE:
+        order = torch_orders(st.schedule, pp=p, virtual=v, micro_batches=m)[rank]
+        return [_Op(kind, i, c) for kind, c, i in order]
     if st.schedule == "gpipe":
         return [_Op("F", i, rank) for i in range(m)] + [_Op("B", i, rank) for i in range(m)]
     if st.schedule == "1f1b":
@@ -134,7 +147,7 @@ def simulate(st: Strategy, times: tuple[StageTime, ...], hop_s: float) -> list[E
         for k in range(p):
             while pos[k] < len(orders[k]):
                 op = orders[k][pos[k]]
-                dep, hop = _dependency(op, last_chunk=p * v - 1, hop_s=hop_s)
+                dep, hop = _dependency(op, last_chunk=p * v - 1, hop_s=hop_s, st=st)
                 if dep is not None and dep not in done:
                     break
                 start = max(free[k], done[dep] + hop if dep is not None else 0.0)
@@ -149,7 +162,7 @@ def simulate(st: Strategy, times: tuple[StageTime, ...], hop_s: float) -> list[E
                     )
                     events.append(e)
                 free[k] = _run(events, k, op, start, times[k], v)
-                done[(op.kind, op.micro_batch, op.chunk)] = free[k]
+                done[("B" if op.kind == "I" else op.kind, op.micro_batch, op.chunk)] = free[k]
                 pos[k] += 1
                 progressed = True
         assert progressed, "the schedule's order deadlocks"
@@ -162,22 +175,32 @@ def simulate(st: Strategy, times: tuple[StageTime, ...], hop_s: float) -> list[E
     return [e for e in events if e.end_s > e.start_s]
 
 
-def _dependency(op: _Op, *, last_chunk: int, hop_s: float) -> tuple[tuple[str, int, int] | None, float]:
+def _dependency(
+    op: _Op, *, last_chunk: int, hop_s: float, st: Strategy
+) -> tuple[tuple[str, int, int] | None, float]:
     """The operation ``op`` waits for, and the hop between them (0 on the same rank)."""
+    if op.kind == "W":
+        return ("B", op.micro_batch, op.chunk), 0.0
     if op.kind == "F":
-        return (("F", op.micro_batch, op.chunk - 1), hop_s) if op.chunk > 0 else (None, 0.0)
+        if op.chunk == 0:
+            return None, 0.0
+        same = st.chunk_rank(op.chunk - 1) == st.chunk_rank(op.chunk)
+        return ("F", op.micro_batch, op.chunk - 1), 0.0 if same else hop_s
     if op.chunk == last_chunk:
         return ("F", op.micro_batch, op.chunk), 0.0
-    return ("B", op.micro_batch, op.chunk + 1), hop_s
+    same = st.chunk_rank(op.chunk + 1) == st.chunk_rank(op.chunk)
+    return ("B", op.micro_batch, op.chunk + 1), 0.0 if same else hop_s
 
 
 def _run(events: list[Event], rank: int, op: _Op, start_s: float, t: StageTime, v: int) -> float:
-    """Append ``op``'s segments from ``start_s`` (a chunk's share: 1/v); returns its end."""
-    parts: list[tuple[str, float]] = (
-        [("forward", t.forward_s), ("tp_comm", t.tp_forward_s)]
-        if op.kind == "F"
-        else [("recompute", t.recompute_s), ("backward", t.backward_s), ("tp_comm", t.tp_backward_s)]
-    )
+    """Append ``op``'s segments from ``start_s`` (a chunk's share: 1/v); returns its end. An
+    input-gradient backward I leaves the weight gradient to its W."""
+    w = t.weight_grad_s if op.kind == "I" else 0.0
+    backward = [("recompute", t.recompute_s), ("backward", t.backward_s - w), ("tp_comm", t.tp_backward_s)]
+    parts: list[tuple[str, float]] = {
+        "F": [("forward", t.forward_s), ("tp_comm", t.tp_forward_s)],
+        "W": [("backward", t.weight_grad_s)],
+    }.get(op.kind, backward)
     now = start_s
     for kind, seconds in parts:
         end = now + seconds / v

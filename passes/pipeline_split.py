@@ -37,28 +37,39 @@ EDGE_LAYERS = ("embed", "head")
 """Layers that are not blocks of the model (no module of their own to outline)."""
 
 
-def stage_chunks(layer_names: Sequence[str], ranks: Sequence[Sequence[str]], virtual: int) -> list[list[str]]:
-    """The plan's layers per pipeline rank → chunks (virtual stages) in execution order.
+def stage_chunks(
+    layer_names: Sequence[str],
+    ranks: Sequence[Sequence[Sequence[str]]],
+    chunk_rank: Callable[[int], int] | None = None,
+) -> list[list[str]]:
+    """The plan's chunks per pipeline rank → all chunks (virtual stages) in execution order.
 
-    ``layer_names`` is the model's layer order; ``ranks[k]`` the layers of pipeline rank k.
-    A new chunk starts wherever the owning rank changes; chunk c must run on rank c mod p
-    (``torch.distributed.pipelining``'s placement of interleaved stages)."""
-    owner = {name: k for k, names in enumerate(ranks) for name in names}
+    ``layer_names`` is the model's layer order; ``ranks[k]`` the chunks of pipeline rank k in
+    model order (each a list of layer names). Chunk c runs on rank ``chunk_rank(c)``
+    (``Strategy.chunk_rank``: c mod p by default, ``torch.distributed.pipelining``'s placement
+    of interleaved stages; in a V for ZBV and DualPipeV, where two neighbouring chunks share a
+    rank); together the chunks must be the model's layers in order."""
+    owner = {name: k for k, chunks in enumerate(ranks) for chunk in chunks for name in chunk}
+    count = sum(len(chunk) for chunks in ranks for chunk in chunks)
     missing = [n for n in layer_names if n not in owner]
-    if missing or len(owner) != len(layer_names):
-        what = missing[0] if missing else sorted(set(owner) - set(layer_names))[0]
+    if missing or count != len(layer_names) or len(owner) != count:
+        what = missing[0] if missing else sorted(set(owner) - set(layer_names) or owner)[0]
         raise AutoparError(f"the plan's stages do not cover this model's layers exactly (e.g. {what!r})")
-    chunks: list[list[str]] = []
-    for name in layer_names:
-        if not chunks or owner[chunks[-1][-1]] != owner[name]:
-            chunks.append([])
-        chunks[-1].append(name)
     p = len(ranks)
-    bad = [c for c, chunk in enumerate(chunks) if owner[chunk[0]] != c % p]
-    if len(chunks) != p * virtual or bad:
+    where = chunk_rank or (lambda c: c % p)
+    total = sum(len(chunks) for chunks in ranks)
+    taken = [0] * p
+    chunks: list[list[str]] = []
+    for c in range(total):
+        k = where(c)
+        if taken[k] < len(ranks[k]):
+            chunks.append(list(ranks[k][taken[k]]))
+            taken[k] += 1
+    flat = [name for chunk in chunks for name in chunk]
+    if len(chunks) != total or flat != list(layer_names) or any(not chunk for chunk in chunks):
         raise AutoparError(
-            f"the plan's stages form {len(chunks)} contiguous chunks, but {p} ranks × {virtual} virtual "
-            f"stages need {p * virtual}, chunk c on rank c mod {p}"
+            f"the plan's chunks on ranks {[len(r) for r in ranks]} do not run the model's layers in "
+            f"order with chunk c on rank {[where(c) for c in range(total)]}[c]"
         )
     return chunks
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.request import Constraints
-from autopar.strategy import ALLOWED_RECOMPUTE, TP_OBJECTIVES, is_recompute_name
+from autopar.strategy import ALLOWED_RECOMPUTE, SCHEDULES, TP_OBJECTIVES, is_recompute_name
 
 MODEL_HELP = "zoo name, path/to/file.py:factory or pkg.mod:factory"
 CLUSTER_HELP = "preset name (see `autopar clusters`) or YAML file"
@@ -64,8 +64,8 @@ def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--dp", type=positive, default=None, help="fix the data-parallel degree")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="fix the ZeRO stage")
     g.add_argument("--micro-batch", type=positive, default=None, help="fix the micro-batch size")
-    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default=None)
-    g.add_argument("--virtual-stages", type=positive, default=None, help="fix v (interleaved)")
+    g.add_argument("--schedule", choices=list(SCHEDULES), default=None)
+    g.add_argument("--virtual-stages", type=positive, default=None, help="fix v (chunks per rank)")
     g.add_argument(
         "--sequence-parallel",
         action=argparse.BooleanOptionalAction,

@@ -22,7 +22,7 @@ from autopar.cli.common import (
     print_json,
     progress,
 )
-from autopar.strategy import RECOMPUTE, SAC, TP_OBJECTIVES, is_recompute_name
+from autopar.strategy import RECOMPUTE, SAC, SCHEDULES, TP_OBJECTIVES, is_recompute_name
 from autopar.units import format_bytes, format_si
 
 
@@ -63,12 +63,12 @@ def add_parsers(sub: Any) -> None:
         help="recompute of every block: none (default), selective, full, or a per-operator policy "
         "sac1, sac2, … (`autopar plan` lists them; sac1 keeps the fewest bytes)",
     )
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default="1f1b")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     p.add_argument(
         "--virtual-stages",
         type=positive,
         default=None,
-        help="model chunks per pipeline rank (interleaved; default 2)",
+        help="model chunks per rank (multi-chunk schedules; default 2; interleaved-zb with 1 is ZB-H1)",
     )
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
     p.add_argument(

@@ -15,7 +15,8 @@ import math
 
 import pulp
 
-from autopar.cost_models.terms import Terms, zero3_unhidden_s
+from autopar.cost_models.dp_overlap import zero3_unhidden_s
+from autopar.cost_models.terms import Terms
 from autopar.planner.solver import mip_solver, solve
 from autopar.strategy import Strategy, even_split, remat
 
@@ -28,10 +29,10 @@ def max_blocks(terms: Terms, rank: int, capacity: float, recompute: str) -> int:
     of the ILP solved for one rank). Mixing choices never holds more than the leanest one."""
     st, u = terms.strategy, terms.block[recompute]
     fixed = terms.buffers[rank] + terms.reserve_bytes
-    for edge, here in ((terms.embed, rank == 0), (terms.head, rank == st.pp - 1)):
+    for edge, here in ((terms.embed, rank == 0), (terms.head, rank == st.head_rank)):
         if here:
             fixed += edge.params * terms.state_bytes_per_param + terms.inflight[rank] * edge.act_bytes
-    if rank == st.pp - 1:
+    if rank == st.head_rank:
         fixed += terms.loss_bytes
     if remat(recompute):  # its backward rebuilds one block's activations
         fixed += u.act_full_bytes
@@ -100,7 +101,7 @@ class LayoutILP:
         # Units: time in one block's micro-batch time, memory as a fraction of capacity, so that
         # HiGHS's absolute tolerances (1e-7) are small against every quantity.
         self.ts, self.ms = 1.0 / terms.block["none"].time_s, 1.0 / capacity
-        rounds = st.micro_batches + (st.pp - 1) / st.virtual_stages
+        rounds = st.micro_batches + terms.bubble_rounds  # the schedule's bubble (cost_models.pipeline)
         self.prob += (
             rounds * self.slowest + self.dp_time + self.opt_time + rounds * terms.p2p_s * self.ts,
             "step_time_s",
@@ -111,8 +112,8 @@ class LayoutILP:
 
     def lin(self, k: int, attr: str, scale: float = 1.0) -> pulp.LpAffineExpression:
         """Σ over rank k's blocks (and its embedding / head) of one ``Unit`` attribute."""
-        t, p = self.terms, self.strategy.pp
-        fixed = [u for u, here in ((t.embed, k == 0), (t.head, k == p - 1)) if here]
+        t = self.terms
+        fixed = [u for u, here in ((t.embed, k == 0), (t.head, k == self.strategy.head_rank)) if here]
         return pulp.lpSum(scale * getattr(t.block[r], attr) * self.n[k, r] for r in self.choices) + sum(
             scale * getattr(u, attr) for u in fixed
         )
@@ -120,7 +121,6 @@ class LayoutILP:
     def add_rank(self, k: int) -> None:
         """Rank k's stage time, memory and optimizer constraints, then its DP exposure."""
         terms, st, ts, ms = self.terms, self.strategy, self.ts, self.ms
-        p = st.pp
         count = pulp.lpSum(self.n[k, r] for r in self.choices)
         if self.fixed is not None:  # a deep interleaved pipeline: the even split's count
             self.prob += count == self.fixed[k], f"interleaved_even_split_{k}"
@@ -140,17 +140,17 @@ class LayoutILP:
                     self.n[k, r] <= self.upper[k, r] * self.has_remat[k],
                     f"rematerialise_flag_{k}_{r}",
                 )
-        fixed_mem = terms.buffers[k] + terms.reserve_bytes + (terms.loss_bytes if k == p - 1 else 0.0)
+        fixed_mem = terms.buffers[k] + terms.reserve_bytes + (terms.loss_bytes if k == st.head_rank else 0.0)
         self.prob += memory_k + fixed_mem * ms <= 1.0, f"memory_{k}"
         self.prob += self.opt_time >= params_k * terms.opt_s_per_param * ts, f"optimizer_{k}"
         if st.dp > 1:
-            layers_k = count + int(k == 0) + int(k == p - 1)
+            layers_k = count + int(k == 0) + int(k == st.head_rank)
             self.add_dp_exposure(k, params_k, layers_k)
 
     def add_dp_exposure(
         self, k: int, params_k: pulp.LpAffineExpression, layers_k: pulp.LpAffineExpression
     ) -> None:
-        """The DP/ZeRO collectives of rank k that compute does not hide (``terms.dp_exposed_s``)."""
+        """The DP/ZeRO collectives of rank k that compute does not hide (``dp_overlap.dp_exposed_s``)."""
         terms, st, ts = self.terms, self.strategy, self.ts
         lat, spb, mb = terms.lat_s * ts, terms.s_per_byte * ts, st.micro_batches  # all-gather
         rlat, rspb = terms.rs_lat_s * ts, terms.rs_s_per_byte * ts  # reduce-scatter

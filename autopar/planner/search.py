@@ -32,17 +32,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.cluster import Cluster
+from autopar.cost_models.dp_overlap import dp_exposed_s
 from autopar.cost_models.estimate import Estimate
-from autopar.cost_models.terms import (
-    RankLoad,
-    Terms,
-    dp_exposed_s,
-)
+from autopar.cost_models.terms import RankLoad, Terms
 from autopar.planner.layout_ilp import fits_somehow, fixed_rank_blocks, max_blocks, solve_layout
 from autopar.planner.pricing import Pricer
 from autopar.planner.recompute_ilp import recompute_choices
 from autopar.request import Constraints, PlanRequest
-from autopar.strategy import RECOMPUTE, RecomputePolicy, Strategy, remat
+from autopar.strategy import RECOMPUTE, V_SHAPE, ZERO_BUBBLE, RecomputePolicy, Strategy, remat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,18 +100,26 @@ def _degrees(request: PlanRequest, blocks: int, heads: int | None) -> list[tuple
 
 
 def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> list[tuple[str, int]]:
-    """(schedule, virtual stages): 1F1B, GPipe on request, interleaved where the blocks fill
-    pp·v chunks (one block each, but the embedding's and the head's: ``Strategy.min_rank_blocks``)
-    and the micro-batches split into rounds of pp."""
+    """(schedule, virtual stages): 1F1B, GPipe on request; interleaved 1F1B and interleaved zero
+    bubble where the blocks fill pp·v chunks (one block each, but the embedding's and the
+    head's: ``Strategy.min_rank_blocks``) and the micro-batches split into rounds of pp; ZBV and
+    DualPipeV (v = 2) where there are at least 2·pp micro-batches."""
     out: list[tuple[str, int]] = []
     if c.schedule in (None, "1f1b"):
         out.append(("1f1b", 1))
     if c.schedule == "gpipe":
         out.append(("gpipe", 1))
-    if c.schedule in (None, "interleaved") and pp > 1 and micro_batches % pp == 0:
-        for v in [c.virtual_stages] if c.virtual_stages else [2, 3, 4, 6, 8]:
-            if v and v > 1 and pp * v - 2 <= blocks:
-                out.append(("interleaved", v))
+    if pp == 1:
+        return out
+    for name, first in (("interleaved", 2), ("interleaved-zb", 1)):
+        if c.schedule in (None, name) and micro_batches % pp == 0:
+            for v in [c.virtual_stages] if c.virtual_stages else [1, 2, 3, 4, 6, 8]:
+                if v and v >= first and pp * v - 2 * (v > 1) <= blocks:
+                    out.append((name, v))
+    for name in V_SHAPE:
+        wanted = c.schedule in (None, name) and c.virtual_stages in (None, 2)
+        if wanted and micro_batches >= 2 * pp and 2 * pp - 2 <= blocks:
+            out.append((name, 2))
     return out
 
 
@@ -141,7 +146,7 @@ def outer_strategies(
                 continue
             schedules = _schedules(c, pp=pp, micro_batches=per_replica // b, blocks=blocks)
             for (schedule, v), sp, zero in ((s, sp, z) for s in schedules for sp in sps for z in zeros):
-                if sp and tp == 1:
+                if (sp and tp == 1) or (schedule in ZERO_BUBBLE and zero == 3):  # strategy._check_schedule
                     continue
                 out.append(
                     Strategy(
@@ -199,7 +204,8 @@ def lower_bound_s(
     per_rank = max(total / st.pp, terms.embed.time_s, terms.head.time_s, u.time_s)
     fixed = fixed_rank_blocks(st, blocks)
     if fixed:  # a deep interleaved pipeline: each rank's count is the even split's
-        edge_s = [terms.embed.time_s * (k == 0) + terms.head.time_s * (k == st.pp - 1) for k in range(st.pp)]
+        head = st.head_rank
+        edge_s = [terms.embed.time_s * (k == 0) + terms.head.time_s * (k == head) for k in range(st.pp)]
         per_rank = max(per_rank, *(n * u.time_s + e for n, e in zip(fixed, edge_s, strict=True)))
     params = blocks * u.params + terms.embed.params + terms.head.params
     # DP/ZeRO exposure is a max over ranks of convex hinges: at least that of the average rank,
@@ -212,12 +218,13 @@ def lower_bound_s(
         recompute_s=0.0,
         tp_s=0.0,
         bwd_s=(blocks * longest.bwd_s + sum(e.bwd_s for e in edges)) / st.pp,
+        wgrad_s=0.0,
         params=params / st.pp,
         layers=(blocks + 2) // st.pp,
         act_bytes=0.0,
         rematerialises=False,
     )
-    rounds = st.micro_batches + (st.pp - 1) / st.virtual_stages
+    rounds = st.micro_batches + terms.bubble_rounds
     return (
         rounds * (per_rank + terms.p2p_s)
         + params / st.pp * terms.opt_s_per_param

@@ -1,6 +1,7 @@
 """How a step runs the plan's micro-batches: one after another on this rank with gradient
 accumulation (pp = 1), or through a ``torch.distributed.pipelining`` schedule (pp > 1: GPipe,
-1F1B, Interleaved1F1B). Both return the losses this rank computed, one per micro-batch."""
+1F1B, Interleaved1F1B, and the zero-bubble InterleavedZeroBubble, ZBVZeroBubble, DualPipeV).
+Both return the losses this rank computed, one per micro-batch."""
 
 from __future__ import annotations
 
@@ -17,9 +18,18 @@ from autopar.plan import Plan
 from autopar.runtime.distributed import local_device
 from autopar.runtime.loss import LossFn, scalar
 from autopar.runtime.steps import Stages
+from autopar.strategy import MULTI_CHUNK
 
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
-"""Plan schedule → ``torch.distributed.pipelining`` schedule class."""
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+"""Plan schedule → ``torch.distributed.pipelining`` schedule class (the multi-chunk ones take a
+list of this rank's stages, ``strategy.MULTI_CHUNK``)."""
 
 
 class Runner(Protocol):
@@ -41,7 +51,7 @@ class LocalSchedule:
     """pp = 1: the micro-batches in turn, each loss / m backward (gradients accumulate).
 
     How gradients accumulate follows the ZeRO stage, as the cost model prices it
-    (``cost_models.terms.dp_exposed_s``, ``rank_memory_terms``): ZeRO 0–1 accumulate whole
+    (``cost_models.dp_overlap.dp_exposed_s``, ``terms.rank_memory_terms``): ZeRO 0–1 accumulate whole
     gradients and reduce once, after the last micro-batch; ZeRO-2/3 reduce-scatter every
     micro-batch's gradients and accumulate only the shard (Rajbhandari et al. SC'20 §5.2), so
     no rank ever holds the whole model's gradients. Below ZeRO-3 the gathered parameters stay
@@ -90,10 +100,16 @@ class LocalSchedule:
 
 class PipelineSchedule:
     """pp > 1: the plan's schedule over this rank's stages; the first rank feeds the tokens, the
-    last computes the losses."""
+    last computes the losses.
 
-    def __init__(self, schedule: Any, *, first: bool, last: bool) -> None:
+    Gradients are averaged over the m micro-batches here, once per parameter, not by torch's
+    schedule (``scale_grads=False``): torch divides each stage's parameters, so a weight two
+    stages of one rank share (a tied embedding and head, both on the first rank of a V)
+    would be divided twice."""
+
+    def __init__(self, schedule: Any, *, first: bool, last: bool, params: list[nn.Parameter]) -> None:
         self.schedule, self.first, self.last = schedule, first, last
+        self.params = list({id(p): p for p in params}.values())
 
     def _run(self, runner: Runner, run: Callable[..., Any], batch: torch.Tensor) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
@@ -104,7 +120,12 @@ class PipelineSchedule:
         return [scalar(x).detach() for x in losses]
 
     def step(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
-        return self._run(runner, lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), batch)
+        losses = self._run(runner, lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), batch)
+        with torch.no_grad():
+            for p in self.params:  # the mean over micro-batches (torch's scale_grads, once per weight)
+                if p.grad is not None:
+                    p.grad.div_(self.schedule._n_microbatches)
+        return losses
 
     def eval(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
         return self._run(runner, self.schedule.eval, batch)
@@ -128,12 +149,12 @@ def apply_schedule(
         for c, stage in sorted(stages.modules.items())
     ]
     cls = getattr(pipelining, SCHEDULES[st.schedule])
-    schedule = (
-        cls(pipes, st.micro_batches, loss_fn=loss_fn)
-        if st.virtual_stages > 1
-        else cls(pipes[0], st.micro_batches, loss_fn=loss_fn)
+    local = pipes if st.schedule in MULTI_CHUNK else pipes[0]
+    schedule = cls(local, st.micro_batches, loss_fn=loss_fn, scale_grads=False)
+    params = [p for stage in stages.modules.values() for p in stage.parameters()]
+    return PipelineSchedule(
+        schedule, first=0 in stages.modules, last=stages.count - 1 in stages.modules, params=params
     )
-    return PipelineSchedule(schedule, first=0 in stages.modules, last=stages.count - 1 in stages.modules)
 
 
 __all__ = ["SCHEDULES", "LocalSchedule", "PipelineSchedule", "apply_schedule"]

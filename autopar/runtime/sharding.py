@@ -126,7 +126,9 @@ def apply_optimizer(
     stages: Stages, plan: Plan, optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
 ) -> StageOptimizers:
     """``optimizer_cls(params, **kwargs)`` per local stage; under DDP at ZeRO 1 its states are
-    sharded over the data-parallel ranks (``ZeroRedundancyOptimizer``)."""
+    sharded over the data-parallel ranks (``ZeroRedundancyOptimizer``). A weight two local
+    stages share (a tied embedding and head on the first rank of a V) is updated by the first
+    stage's optimizer only."""
     from torch.nn.parallel import DistributedDataParallel
 
     ordered = stages.ordered
@@ -135,7 +137,13 @@ def apply_optimizer(
 
         zero1 = ZeroRedundancyOptimizer(ordered[0].parameters(), optimizer_class=optimizer_cls, **kwargs)
         return StageOptimizers([zero1])
-    return StageOptimizers([optimizer_cls(s.parameters(), **kwargs) for s in ordered])
+    seen: set[int] = set()
+    optimizers = []
+    for stage in ordered:
+        mine = [p for p in stage.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in mine)
+        optimizers.append(optimizer_cls([{"params": mine}], **kwargs))
+    return StageOptimizers(optimizers)
 
 
 def loss_scaler(plan: Plan, *, sharded: bool) -> Any:

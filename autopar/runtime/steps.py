@@ -28,8 +28,8 @@ class Stages:
     """This rank's share of the model as the steps build it."""
 
     modules: dict[int, nn.Module]
-    """Chunk index → its module (chunk c runs on pipeline rank c mod pp); {0: the model} when
-    the model is not captured."""
+    """Chunk index → its module (chunk c runs on pipeline rank ``Strategy.chunk_rank(c)``);
+    {0: the model} when the model is not captured."""
     captured: CapturedModel | None = None
     """The capture every rank starts from (tp > 1 or pp > 1)."""
     gm: fx.GraphModule | None = None
@@ -99,7 +99,7 @@ def apply_loss_split(stages: Stages, plan: Plan, objective: Objective) -> None:
 
 def apply_pipeline_split(stages: Stages, plan: Plan, mesh: Any) -> None:
     """pp > 1: cut the graph into the plan's chunks and keep this rank's (chunk c on pipeline
-    rank c mod pp); pp = 1: the whole graph is the one stage."""
+    rank ``Strategy.chunk_rank(c)``); pp = 1: the whole graph is the one stage."""
     st = plan.strategy
     if stages.gm is None:
         return
@@ -107,9 +107,10 @@ def apply_pipeline_split(stages: Stages, plan: Plan, mesh: Any) -> None:
         stages.modules = {0: stages.gm}
         return
     names = stages.names
-    stages.chunks = stage_chunks(names, [s.layers for s in plan.stages], st.virtual_stages)
+    per_rank = [s.chunks if st.virtual_stages > 1 else [s.layers] for s in plan.stages]
+    stages.chunks = stage_chunks(names, per_rank, st.chunk_rank)
     rank = mesh["pp"].get_local_rank()
-    mine = [c for c in range(len(stages.chunks)) if c % st.pp == rank]
+    mine = st.rank_chunks(rank)
     stages.modules = split_stages(
         stages.gm, lambda n: names[n.meta["autopar.layer"]], stages.chunks, keep=mine
     )
@@ -175,7 +176,7 @@ def apply_tied_groups(stages: Stages, plan: Plan, mesh: Any) -> list[TiedGroup]:
         return []
     by_ranks: dict[tuple[int, ...], list[str]] = {}
     for name, chunks in sorted(shared_params(stages.gm, stages.chunks, stages.names).items()):
-        ranks = tuple(sorted({c % pp for c in chunks}))
+        ranks = tuple(sorted({plan.strategy.chunk_rank(c) for c in chunks}))
         if len(ranks) > 1:
             by_ranks.setdefault(ranks, []).append(name)
     groups = []

@@ -287,7 +287,7 @@ def test_estimate_cli_table(capsys) -> None:
             ["--pp", "4", "--nodes", "1", "--schedule", "interleaved", "--global-batch", "4"],
             "interleaved: 2 micro-batches are not a multiple of pp=4",
         ),
-        (["--tp", "8", "--virtual-stages", "2"], "virtual stages 2 need --schedule interleaved"),
+        (["--tp", "8", "--virtual-stages", "2"], "virtual stages 2 need a schedule of several chunks"),
         (["--sequence-parallel", "--dp", "8"], "sequence parallel needs tp > 1"),
         (["--cluster", "dgx-z"], "unknown cluster preset 'dgx-z'"),
     ],
@@ -342,7 +342,8 @@ def test_zero3_first_gather_and_last_reduce_scatter_stay_exposed() -> None:
     """On fast links with plenty of compute, ZeRO-3 still exposes one block's gather per
     direction and one block's reduce-scatter per micro-batch: nothing runs before the first
     block or after the last to hide them (α + σ·bytes of one block, ring over dp)."""
-    from autopar.cost_models.terms import build_terms, zero3_unhidden_s
+    from autopar.cost_models.dp_overlap import zero3_unhidden_s
+    from autopar.cost_models.terms import build_terms
 
     profile = ModelProfiles.of("llama3-8b", dtype="bf16", seq=8192).at(2)
     cluster = Cluster.preset("dgx-h100")

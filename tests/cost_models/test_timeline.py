@@ -47,6 +47,34 @@ def test_equal_ranks_take_the_closed_form(schedule: str, v: int, p: int, m: int)
         assert all(a.end_s <= b.start_s + 1e-12 for a, b in itertools.pairwise(mine))
 
 
+ZB_CASES = [
+    ("interleaved-zb", 1, 4, 8),
+    ("interleaved-zb", 2, 4, 8),
+    ("zbv", 2, 4, 8),
+    ("dualpipev", 2, 2, 6),
+]
+
+
+@pytest.mark.parametrize(("schedule", "v", "p", "m"), ZB_CASES)
+def test_zero_bubble_timelines_take_the_cost_models_bubble(schedule: str, v: int, p: int, m: int) -> None:
+    """torch's order with B and W apart: the makespan is (m + bubble_rounds)·t, every chunk of a
+    rank (in a V: chunks k and 2p − 1 − k) runs its forward, its input and its weight gradient."""
+    from dataclasses import replace
+
+    from autopar.cost_models.pipeline import bubble_rounds
+
+    st = Strategy(pp=p, dp=1, global_batch=m, micro_batch=1, seq=8, schedule=schedule, virtual_stages=v)
+    times = tuple(replace(t, weight_grad_s=0.75) for t in _times(p))  # F 1, B 1.25, W 0.75
+    events = simulate(st, times, hop_s=0.0)
+    rounds = m + bubble_rounds(st, fwd_s=1.0, bwd_input_s=1.25, wgrad_s=0.75)
+    assert max(e.end_s for e in events) == pytest.approx(rounds * 3.0)
+    for k in range(p):
+        ran = sorted((e.micro_batch, e.chunk) for e in events if e.rank == k and e.kind == "forward")
+        assert ran == sorted((i, c) for i in range(m) for c in st.rank_chunks(k)), k
+        work = sum(e.end_s - e.start_s for e in events if e.rank == k and e.kind == "backward")
+        assert work == pytest.approx(m * 2.0)
+
+
 def test_a_backward_waits_for_its_forward_and_the_next_chunk() -> None:
     st = Strategy(pp=4, dp=1, global_batch=8, micro_batch=1, seq=8, schedule="interleaved", virtual_stages=2)
     events = simulate(st, _times(4), hop_s=0.25)

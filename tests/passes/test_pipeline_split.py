@@ -54,8 +54,8 @@ def _split(
     bounds = [0, *cut, len(names)]
     pieces = [names[a:b] for a, b in itertools.pairwise(bounds)]
     p = len(pieces) // virtual
-    ranks = [[n for c, piece in enumerate(pieces) if c % p == k for n in piece] for k in range(p)]
-    chunks = stage_chunks(names, ranks, virtual)
+    ranks = [[piece for c, piece in enumerate(pieces) if c % p == k] for k in range(p)]
+    chunks = stage_chunks(names, ranks)
     assert chunks == pieces
     gm = fill_layers(cap.gm)
     parts = split_stages(gm, lambda n: names[n.meta["autopar.layer"]], chunks)
@@ -130,9 +130,14 @@ def test_outline_attention_for_selective_recompute() -> None:
 def test_bad_stage_layouts_are_clear_errors() -> None:
     names = ["embed", "b.0", "b.1", "head"]
     with pytest.raises(AutoparError, match="do not cover"):
-        stage_chunks(names, [["embed", "b.0"], ["b.1"]], 1)
-    with pytest.raises(AutoparError, match="chunk c on rank c mod 2"):
-        stage_chunks(names, [["embed", "b.1"], ["b.0", "head"]], 1)
+        stage_chunks(names, [[["embed", "b.0"]], [["b.1"]]])
+    with pytest.raises(AutoparError, match=r"chunk c on rank \[0, 1\]\[c\]"):
+        stage_chunks(names, [[["embed", "b.1"]], [["b.0", "head"]]])
+    v_shape = [[["embed"], ["head"]], [["b.0"], ["b.1"]]]  # rank 0: chunks 0 and 3; rank 1: 1 and 2
+    in_v = stage_chunks(names, v_shape, lambda c: c if c < 2 else 3 - c)
+    assert in_v == [["embed"], ["b.0"], ["b.1"], ["head"]]
+    with pytest.raises(AutoparError, match="in order"):
+        stage_chunks(names, v_shape)  # looped placement: chunk 1 on rank 1 is b.0, chunk 2 head
 
 
 def test_outline_refuses_a_group_that_is_not_convex() -> None:

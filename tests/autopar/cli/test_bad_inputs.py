@@ -111,7 +111,7 @@ def cases(d) -> list[tuple[list[str], str]]:
         (["plan", "gpt3-175b", "--cluster", "dgx-a100-40g", "--global-batch", "8"], "no plan fits in"),
         ([*ESTIMATE, "--reserve-gib", "-100"], "non-negative finite number"),
         ([*ESTIMATE, "--tp", "3"], "does not divide the cluster's 8 GPUs"),
-        ([*ESTIMATE, "--virtual-stages", "2"], "need --schedule interleaved"),
+        ([*ESTIMATE, "--virtual-stages", "2"], "need a schedule of several chunks per rank"),
         ([*ESTIMATE, "--dp", "3", "--global-batch", "9"], "tp·pp·dp = 1·1·3 = 3 but the cluster has 8 GPUs"),
         (["verify", f"{m}:tiny", "--plan", f"{d}/missing.json"], "can't read plan"),
         (["verify", f"{m}:tiny", "--plan", f"{d}/truncated.json"], "invalid JSON"),

@@ -18,7 +18,7 @@ from autopar.planner.layout_ilp import MIP_GAP
 from autopar.planner.recompute_ilp import frontier, recompute_choices
 from autopar.planner.search import outer_strategies
 from autopar.planner.tp_layouts import TPLayouts
-from autopar.strategy import RECOMPUTE, Strategy
+from autopar.strategy import RECOMPUTE, SCHEDULES, Strategy
 from autopar.zoo import GPT, GPTConfig
 
 LAYERS, SEQ = 4, 128
@@ -42,10 +42,11 @@ def plan_with(profiles, cluster, *, batch, seq=SEQ, c=None, model="tiny"):
     return make_plan(request, profiles)
 
 
-def _layouts(blocks: int, pp: int, v: int, allowed: tuple[str, ...], choices: tuple[str, ...] = RECOMPUTE):
+def _layouts(blocks: int, st: Strategy, allowed: tuple[str, ...], choices: tuple[str, ...] = RECOMPUTE):
     # every rank holds a block per chunk, but the chunks of the embedding and the head (interleaved:
-    # rank totals need not be equal, the chunks come out uneven)
-    need = [1] * pp if v == 1 else [v - (k == 0) - (k == pp - 1) for k in range(pp)]
+    # rank totals need not be equal, the chunks come out uneven; in a V both are on rank 0)
+    pp = st.pp
+    need = [st.min_rank_blocks(k) for k in range(pp)]
     sizes = [
         list(c)
         for c in itertools.product(range(blocks + 1), repeat=pp)
@@ -73,7 +74,7 @@ def brute_force(profile_at, cluster: Cluster, *, global_batch: int, c: Constrain
     layouts = TPLayouts(profile_at, cluster, "bf16")  # TP priced by the per-operator choice
     best = math.inf
     space = set()
-    for schedule, sp in itertools.product(("gpipe", "1f1b", "interleaved"), (True, False)):
+    for schedule, sp in itertools.product(SCHEDULES, (True, False)):
         cc = replace(c, schedule=schedule, sequence_parallel=sp)
         request = PlanRequest(
             model="tiny", cluster=cluster, global_batch=global_batch, seq=SEQ, constraints=cc
@@ -83,7 +84,7 @@ def brute_force(profile_at, cluster: Cluster, *, global_batch: int, c: Constrain
     allowed, policies = recompute_choices(c.recompute, frontier(profile_at.base, cluster, "bf16"))
     for st in (replace(v, policies=policies) for s in space for v in layouts.variants(s)):
         prof = profile_at.at(st.micro_batch)
-        for layout in _layouts(LAYERS, st.pp, st.virtual_stages, allowed, st.choices):
+        for layout in _layouts(LAYERS, st, allowed, st.choices):
             chosen = replace(st, layout=layout)
             est = estimate(prof, cluster, chosen, reserve_bytes=c.reserve_bytes, tp_layout=layouts(st))
             if all(m.peak_bytes <= capacity for m in est.memory):

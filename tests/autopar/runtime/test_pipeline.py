@@ -112,15 +112,27 @@ def test_pp4_schedules_and_2d_layouts(tmp_path) -> None:
 
 
 def test_pp2_dp2_tp2_zero3_recompute_llama_eight_processes(tmp_path) -> None:
-    """The one 8-process smoke test: the full 3-D mesh on Llama (GQA, RoPE)."""
+    """The one 8-process smoke test: the full 3-D mesh on Llama (GQA, RoPE); also ZBV on it, with
+    ZeRO-2 (zero-bubble schedules refuse ZeRO-3)."""
     plan = _plan(
         make_llama, pp=2, dp=2, tp=2, zero=3, sequence_parallel=True, recompute=("full",), schedule="1f1b"
+    )
+    zbv = _plan(
+        make_llama,
+        pp=2,
+        dp=2,
+        tp=2,
+        zero=2,
+        micro_batch=1,
+        sequence_parallel=True,
+        recompute=("full",),
+        schedule="zbv",
     )
     assert plan.mesh == (("pp", 2), ("dp", 2), ("tp", 2))
     sharded = {k.split(":")[0]: n for k, n, _ in plan.tensor_parallel[0][1] if n in SHARDING}
     assert sharded.get("attention.wq") == "column" and sharded.get("feed_forward.w2") == "row", sharded
     assert {r for s in plan.stages for _, r in s.recompute} == {"full"}
-    _run_and_check(make_llama, [plan], tmp_path, checkpoint=False)
+    _run_and_check(make_llama, [plan, zbv], tmp_path, checkpoint=False)
 
 
 make_hf_gpt2 = functools.partial(hf.gpt2, layers=3, seq=SEQ)

@@ -1,0 +1,63 @@
+"""The data-parallel / ZeRO communication a rank's compute does not hide: the overlap rule the
+estimate, the layout ILP and the timeline share."""
+
+from __future__ import annotations
+
+from autopar.cost_models.terms import RankLoad, Terms
+
+
+def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
+    """Data-parallel / ZeRO time this rank cannot hide (the overlap rule in estimate's doc).
+
+    With L = layers on the rank, one all-gather of S bytes costs α_g + σ_g·S, one
+    reduce-scatter α_r + σ_r·S and one all-reduce α_a + σ_a·S (ring: α_g = α_r = (dp−1)·α,
+    σ_g = σ_r = (dp−1)/(dp·β), α_a = 2α_g, σ_a = 2σ_g; or measured), G gradient bytes,
+    W weight bytes, overlap O = κ·(backward − one block's backward), and fwd, bwd below
+    also scaled by κ, the share of compute that hides communication (``Terms.overlap``):
+      ZeRO-0  max(B, α_a + σ_a·G − O), B the last bucket's all-reduce (``last_bucket_s``)
+      ZeRO-1  max(B, α_a + σ_a·G − O) + α_g + σ_g·W (torch's ZeroRedundancyOptimizer keeps
+              DDP's all-reduce, then broadcasts each updated shard)
+      ZeRO-2  m·max(0, L·α_r + σ_r·G − O) + α_g + σ_g·W
+      ZeRO-3  m·[max(g₁, L·α_g + σ_g·W − fwd) + max(g₁ + r₁, L·α_g + σ_g·W + L·α_r + σ_r·G − bwd)]
+    with g₁, r₁ one block's gather and reduce-scatter (``zero3_unhidden_s``): no compute precedes
+    the first block's gather in each direction or follows the last one's reduce-scatter. ZeRO-3
+    gathers each block twice per micro-batch, also under full recompute: the FSDP2 unit wraps the
+    checkpointed block (recompute before ``fully_shard``, as torchtitan's ``apply_ac`` precedes
+    ``apply_fsdp``), so the pre-backward gather serves the recomputed forward and the backward.
+    Under a pipeline (pp > 1) torch's schedules reduce-scatter only in the step's last backward
+    (``memory.rank_state_bytes``): ZeRO-2 pays its term once, not m times, and ZeRO-3
+      m·[max(g₁, L·α_g + σ_g·W − fwd) + max(g₁, L·α_g + σ_g·W − bwd)] + max(r₁, L·α_r + σ_r·G − bwd).
+    """
+    st, lat, spb = terms.strategy, terms.lat_s, terms.s_per_byte
+    rlat, rspb = terms.rs_lat_s, terms.rs_s_per_byte
+    if st.dp == 1:
+        return 0.0
+    grad, weights = load.params * terms.grad_bytes, load.params * terms.weight_bytes
+    kappa = terms.overlap
+    overlap = kappa * (load.bwd_s - terms.block["none"].bwd_s)
+    m = st.micro_batches
+    if st.zero in (0, 1):
+        ddp = max(terms.last_bucket_s, terms.ar_lat_s + terms.ar_s_per_byte * grad - overlap)
+        return ddp + (lat + spb * weights if st.zero == 1 else 0.0)
+    reductions = 1 if st.pp > 1 else m  # reduce-scatters per step
+    if st.zero == 2:
+        return reductions * max(0.0, load.layers * rlat + rspb * grad - overlap) + lat + spb * weights
+    gather, reduce = load.layers * lat + spb * weights, load.layers * rlat + rspb * grad  # gather: fwd, bwd
+    first, last = zero3_unhidden_s(terms)
+    fwd, bwd = kappa * load.fwd_s, kappa * load.bwd_s
+    if st.pp > 1:
+        return m * (max(first, gather - fwd) + max(first, gather - bwd)) + max(last, reduce - bwd)
+    return m * (max(first, gather - fwd) + max(first + last, gather + reduce - bwd))
+
+
+def zero3_unhidden_s(terms: Terms) -> tuple[float, float]:
+    """(g₁, r₁): one block's ZeRO-3 weight all-gather and gradient reduce-scatter, the parts no
+    compute hides (``dp_exposed_s``)."""
+    block = terms.block["none"].params
+    return (
+        terms.lat_s + terms.s_per_byte * block * terms.weight_bytes,
+        terms.rs_lat_s + terms.rs_s_per_byte * block * terms.grad_bytes,
+    )
+
+
+__all__ = ["dp_exposed_s", "zero3_unhidden_s"]
