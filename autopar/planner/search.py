@@ -99,6 +99,12 @@ def _degrees(request: PlanRequest, blocks: int, heads: int | None) -> list[tuple
     return out
 
 
+VIRTUAL_STAGES = {"interleaved": (2, 3, 4, 6, 8), "interleaved-zb": (1, 2, 4, 8)}
+"""The v a free search tries per looped schedule. Zero bubble skips 3 and 6: with them the
+Llama-3 405B search on 16,384 GPUs solved 74 layout ILPs in 5.4 s, without 54 in 4.3 s, the
+same plan (v 6 was 1% behind v 8)."""
+
+
 def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> list[tuple[str, int]]:
     """(schedule, virtual stages): 1F1B, GPipe on request; interleaved 1F1B and interleaved zero
     bubble where the blocks fill pp·v chunks (one block each, but the embedding's and the
@@ -113,7 +119,7 @@ def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> l
         return out
     for name, first in (("interleaved", 2), ("interleaved-zb", 1)):
         if c.schedule in (None, name) and micro_batches % pp == 0:
-            for v in [c.virtual_stages] if c.virtual_stages else [1, 2, 3, 4, 6, 8]:
+            for v in [c.virtual_stages] if c.virtual_stages else VIRTUAL_STAGES[name]:
                 if v and v >= first and pp * v - 2 * (v > 1) <= blocks:
                     out.append((name, v))
     for name in V_SHAPE:
