@@ -28,9 +28,9 @@ class Constraints:
     micro_batch: int | None = None
     """Fix the micro-batch size."""
     schedule: str | None = None
-    """Fix the schedule (gpipe, 1f1b, interleaved)."""
+    """Fix the schedule (gpipe, 1f1b, interleaved, interleaved-zb, zbv, dualpipev)."""
     virtual_stages: int | None = None
-    """Fix v for the interleaved schedule."""
+    """Fix v, the chunks per rank of a multi-chunk schedule."""
     sequence_parallel: bool | None = None
     """Force sequence parallelism on or off."""
     tp_objective: str | None = None

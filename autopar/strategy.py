@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from typing import Any
 
 from autopar.errors import AutoparError
@@ -239,7 +240,7 @@ class Strategy:
             return chunk if chunk < p else 2 * p - 1 - chunk
         return chunk % p
 
-    @property
+    @cached_property
     def head_rank(self) -> int:
         """The pipeline rank of the last chunk (the head): p − 1, or 0 in a V."""
         return self.chunk_rank(self.pp * self.virtual_stages - 1)

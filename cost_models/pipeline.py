@@ -24,6 +24,8 @@ tests check that against the orders torch's schedule classes build.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from autopar.strategy import V_SHAPE, Strategy
 
 
@@ -38,19 +40,30 @@ def bubble_rounds(st: Strategy, *, fwd_s: float, bwd_input_s: float, wgrad_s: fl
     if st.schedule == "interleaved-zb":
         return (p - 1) * max(fwd_s + bwd_input_s - wgrad_s, fwd_s, bwd_input_s) / (v * t)
     assert st.schedule in V_SHAPE, st.schedule
-    makespan = simulate_orders(
-        torch_orders(st.schedule, pp=p, virtual=2, micro_batches=2 * p),
-        fwd_s=fwd_s / 2,
-        bwd_input_s=bwd_input_s / 2,
-        wgrad_s=wgrad_s / 2,
-        chunks=2 * p,
-    )[0]
-    return max(0.0, makespan - 2 * p * t) / t
+    return _v_bubble_rounds(st.schedule, p, fwd_s, bwd_input_s, wgrad_s)
+
+
+@lru_cache(maxsize=4096)
+def _v_bubble_rounds(schedule: str, pp: int, fwd_s: float, bwd_input_s: float, wgrad_s: float) -> float:
+    """``bubble_rounds`` of a V schedule: torch's order for 2·pp micro-batches simulated, once
+    per process for each (depth, F, B, W) (the planner's outer choices that differ only in ZeRO
+    or data parallelism share a block's times)."""
+    t = fwd_s + bwd_input_s + wgrad_s
+    chunk = {"fwd_s": fwd_s / 2, "bwd_input_s": bwd_input_s / 2, "wgrad_s": wgrad_s / 2}
+    makespan = simulate_orders(_v_orders(schedule, pp), **chunk, chunks=2 * pp)[0]
+    return max(0.0, makespan - 2 * pp * t) / t
 
 
 Action = tuple[str, int, int]
 """(kind F, B, I or W; global chunk; micro-batch): one computation of a rank's schedule (B is
 a whole backward, I its input-gradient part)."""
+
+
+@lru_cache(maxsize=64)
+def _v_orders(schedule: str, pp: int) -> list[list[Action]]:
+    """``torch_orders`` of a V schedule for 2·pp micro-batches, built once per process (the
+    planner prices hundreds of outer choices with the same depth; callers do not mutate it)."""
+    return torch_orders(schedule, pp=pp, virtual=2, micro_batches=2 * pp)
 
 
 def torch_orders(schedule: str, *, pp: int, virtual: int, micro_batches: int) -> list[list[Action]]:

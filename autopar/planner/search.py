@@ -105,11 +105,19 @@ Llama-3 405B search on 16,384 GPUs solved 74 layout ILPs in 5.4 s, without 54 in
 same plan (v 6 was 1% behind v 8)."""
 
 
+FREE_V_PP = 8
+"""The deepest pipeline a free search tries ZBV and DualPipeV on: their bubble is simulated on
+torch's action lists (``cost_models.pipeline``), about 2 ms at pp 8 but 15 ms at pp 16 and
+0.2 s at pp 64 per outer choice — with them at every depth GPT-3 175B on 1024 GPUs took 17 s to
+plan. ``--schedule zbv`` or ``dualpipev`` prices them at any depth."""
+
+
 def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> list[tuple[str, int]]:
     """(schedule, virtual stages): 1F1B, GPipe on request; interleaved 1F1B and interleaved zero
     bubble where the blocks fill pp·v chunks (one block each, but the embedding's and the
     head's: ``Strategy.min_rank_blocks``) and the micro-batches split into rounds of pp; ZBV and
-    DualPipeV (v = 2) where there are at least 2·pp micro-batches."""
+    DualPipeV (v = 2) where there are at least 2·pp micro-batches (up to ``FREE_V_PP`` unless
+    the constraints name them)."""
     out: list[tuple[str, int]] = []
     if c.schedule in (None, "1f1b"):
         out.append(("1f1b", 1))
@@ -123,7 +131,8 @@ def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> l
                 if v and v >= first and pp * v - 2 * (v > 1) <= blocks:
                     out.append((name, v))
     for name in V_SHAPE:
-        wanted = c.schedule in (None, name) and c.virtual_stages in (None, 2)
+        named = c.schedule == name or (c.schedule is None and pp <= FREE_V_PP)
+        wanted = named and c.virtual_stages in (None, 2)
         if wanted and micro_batches >= 2 * pp and 2 * pp - 2 <= blocks:
             out.append((name, 2))
     return out
