@@ -353,6 +353,13 @@ def check_strategy(
         raise StrategyError(f"seq {s.seq} exceeds the model's maximum {seq_limit}")
 
 
+def runs_with_zero(schedule: str, zero: int) -> bool:
+    """Whether ``schedule`` runs under ZeRO stage ``zero`` on a data-parallel pipeline: not a
+    zero-bubble schedule with ZeRO-3 (FSDP2 reshards the weights before torch's separate
+    weight-gradient pass; gradients measured wrong)."""
+    return not (schedule in ZERO_BUBBLE and zero == 3)
+
+
 def _check_schedule(s: Strategy) -> None:
     """The micro-batch count and layout the pipeline schedule needs (torch's schedules refuse
     the rest)."""
@@ -366,7 +373,7 @@ def _check_schedule(s: Strategy) -> None:
             f"{s.schedule}: {m} micro-batches are fewer than its 2·pp = {2 * p} chunks; "
             "raise the global batch or lower the micro-batch"
         )
-    if s.schedule in ZERO_BUBBLE and s.zero == 3 and s.dp > 1 and p > 1:
+    if not runs_with_zero(s.schedule, s.zero) and s.dp > 1 and p > 1:
         raise StrategyError(
             f"{s.schedule} cannot run with ZeRO-3: FSDP2 reshards the weights after each input-gradient "
             "pass, before torch's separate weight-gradient pass needs them; use --zero 2 or another "

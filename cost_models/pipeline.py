@@ -24,6 +24,7 @@ tests check that against the orders torch's schedule classes build.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 from autopar.strategy import V_SHAPE, Strategy
@@ -60,10 +61,10 @@ a whole backward, I its input-gradient part)."""
 
 
 @lru_cache(maxsize=64)
-def _v_orders(schedule: str, pp: int) -> list[list[Action]]:
+def _v_orders(schedule: str, pp: int) -> tuple[tuple[Action, ...], ...]:
     """``torch_orders`` of a V schedule for 2·pp micro-batches, built once per process (the
-    planner prices hundreds of outer choices with the same depth; callers do not mutate it)."""
-    return torch_orders(schedule, pp=pp, virtual=2, micro_batches=2 * pp)
+    planner prices hundreds of outer choices with the same depth)."""
+    return tuple(map(tuple, torch_orders(schedule, pp=pp, virtual=2, micro_batches=2 * pp)))
 
 
 def torch_orders(schedule: str, *, pp: int, virtual: int, micro_batches: int) -> list[list[Action]]:
@@ -105,7 +106,7 @@ def torch_orders(schedule: str, *, pp: int, virtual: int, micro_batches: int) ->
 
 
 def simulate_orders(
-    orders: list[list[Action]], *, fwd_s: float, bwd_input_s: float, wgrad_s: float, chunks: int
+    orders: Sequence[Sequence[Action]], *, fwd_s: float, bwd_input_s: float, wgrad_s: float, chunks: int
 ) -> tuple[float, list[int]]:
     """(makespan, peak chunk activations held per rank) of running ``orders`` with one chunk's
     times, sends instant: F(c) waits for F(c − 1), a backward of c for the backward of c + 1 (the

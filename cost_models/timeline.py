@@ -110,13 +110,21 @@ class _Op:
     chunk: int  # global chunk index, on rank Strategy.chunk_rank(chunk)
 
 
+def schedule_orders(st: Strategy) -> list[list[_Op]]:
+    """Every pipeline rank's operations in schedule order (zero bubble: torch's own order,
+    ``pipeline.torch_orders``, built once for all ranks)."""
+    if st.schedule in ZERO_BUBBLE:
+        m, v = st.micro_batches, st.virtual_stages
+        orders = torch_orders(st.schedule, pp=st.pp, virtual=v, micro_batches=m)
+        return [[_Op(kind, i, c) for kind, c, i in order] for order in orders]
+    return [schedule_order(st, k) for k in range(st.pp)]
+
+
 def schedule_order(st: Strategy, rank: int) -> list[_Op]:
-    """The operations of pipeline rank ``rank`` in the order its schedule runs them (zero
-    bubble: torch's own order, ``pipeline.torch_orders``)."""
+    """The operations of pipeline rank ``rank`` in the order its schedule runs them."""
     p, m, v = st.pp, st.micro_batches, st.virtual_stages
     if st.schedule in ZERO_BUBBLE:
-        order = torch_orders(st.schedule, pp=p, virtual=v, micro_batches=m)[rank]
-        return [_Op(kind, i, c) for kind, c, i in order]
+        return schedule_orders(st)[rank]
     if st.schedule == "gpipe":
         return [_Op("F", i, rank) for i in range(m)] + [_Op("B", i, rank) for i in range(m)]
     if st.schedule == "1f1b":
@@ -139,7 +147,7 @@ def simulate(st: Strategy, times: tuple[StageTime, ...], hop_s: float) -> list[E
     gradient send between neighbouring ranks."""
     p, v = st.pp, st.virtual_stages
     assert len(times) == p, (len(times), p)
-    orders = [schedule_order(st, k) for k in range(p)]
+    orders = schedule_orders(st)
     done: dict[tuple[str, int, int], float] = {}
     free, pos, events = [0.0] * p, [0] * p, []
     while any(pos[k] < len(orders[k]) for k in range(p)):
@@ -218,4 +226,12 @@ def stage_times_from_dicts(rows: list[dict[str, Any]]) -> tuple[StageTime, ...]:
     )
 
 
-__all__ = ["Event", "StageTime", "schedule_order", "simulate", "stage_times", "stage_times_from_dicts"]
+__all__ = [
+    "Event",
+    "StageTime",
+    "schedule_order",
+    "schedule_orders",
+    "simulate",
+    "stage_times",
+    "stage_times_from_dicts",
+]

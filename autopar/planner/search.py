@@ -39,7 +39,7 @@ from autopar.planner.layout_ilp import fits_somehow, fixed_rank_blocks, max_bloc
 from autopar.planner.pricing import Pricer
 from autopar.planner.recompute_ilp import recompute_choices
 from autopar.request import Constraints, PlanRequest
-from autopar.strategy import RECOMPUTE, V_SHAPE, ZERO_BUBBLE, RecomputePolicy, Strategy, remat
+from autopar.strategy import RECOMPUTE, V_SHAPE, RecomputePolicy, Strategy, remat, runs_with_zero
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,7 +128,7 @@ def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> l
     for name, first in (("interleaved", 2), ("interleaved-zb", 1)):
         if c.schedule in (None, name) and micro_batches % pp == 0:
             for v in [c.virtual_stages] if c.virtual_stages else VIRTUAL_STAGES[name]:
-                if v and v >= first and pp * v - 2 * (v > 1) <= blocks:
+                if v >= first and pp * v - 2 * (v > 1) <= blocks:
                     out.append((name, v))
     for name in V_SHAPE:
         named = c.schedule == name or (c.schedule is None and pp <= FREE_V_PP)
@@ -161,7 +161,7 @@ def outer_strategies(
                 continue
             schedules = _schedules(c, pp=pp, micro_batches=per_replica // b, blocks=blocks)
             for (schedule, v), sp, zero in ((s, sp, z) for s in schedules for sp in sps for z in zeros):
-                if (sp and tp == 1) or (schedule in ZERO_BUBBLE and zero == 3):  # strategy._check_schedule
+                if (sp and tp == 1) or not runs_with_zero(schedule, zero):
                     continue
                 out.append(
                     Strategy(

@@ -107,8 +107,10 @@ class PipelineSchedule:
     stages of one rank share (a tied embedding and head, both on the first rank of a V)
     would be divided twice."""
 
-    def __init__(self, schedule: Any, *, first: bool, last: bool, params: list[nn.Parameter]) -> None:
-        self.schedule, self.first, self.last = schedule, first, last
+    def __init__(
+        self, schedule: Any, *, first: bool, last: bool, params: list[nn.Parameter], micro_batches: int
+    ) -> None:
+        self.schedule, self.first, self.last, self.micro_batches = schedule, first, last, micro_batches
         self.params = list({id(p): p for p in params}.values())
 
     def _run(self, runner: Runner, run: Callable[..., Any], batch: torch.Tensor) -> list[torch.Tensor]:
@@ -124,7 +126,7 @@ class PipelineSchedule:
         with torch.no_grad():
             for p in self.params:  # the mean over micro-batches (torch's scale_grads, once per weight)
                 if p.grad is not None:
-                    p.grad.div_(self.schedule._n_microbatches)
+                    p.grad.div_(self.micro_batches)
         return losses
 
     def eval(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
@@ -152,9 +154,8 @@ def apply_schedule(
     local = pipes if st.schedule in MULTI_CHUNK else pipes[0]
     schedule = cls(local, st.micro_batches, loss_fn=loss_fn, scale_grads=False)
     params = [p for stage in stages.modules.values() for p in stage.parameters()]
-    return PipelineSchedule(
-        schedule, first=0 in stages.modules, last=stages.count - 1 in stages.modules, params=params
-    )
+    first, last = 0 in stages.modules, stages.count - 1 in stages.modules
+    return PipelineSchedule(schedule, first=first, last=last, params=params, micro_batches=st.micro_batches)
 
 
 __all__ = ["SCHEDULES", "LocalSchedule", "PipelineSchedule", "apply_schedule"]
