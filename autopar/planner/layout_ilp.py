@@ -24,20 +24,40 @@ MIP_GAP = 1e-6
 """Relative optimality gap each layout ILP must prove (unless its time limit runs out first)."""
 
 
-def max_blocks(terms: Terms, rank: int, capacity: float, recompute: str) -> int:
-    """Most blocks rank ``rank`` can hold if all of them use ``recompute`` (memory constraint
-    of the ILP solved for one rank). Mixing choices never holds more than the leanest one."""
-    st, u = terms.strategy, terms.block[recompute]
-    fixed = terms.buffers[rank] + terms.reserve_bytes
-    for edge, here in ((terms.embed, rank == 0), (terms.head, rank == st.head_rank)):
-        if here:
-            fixed += edge.params * terms.state_bytes_per_param + terms.inflight[rank] * edge.act_bytes
-    if rank == st.head_rank:
-        fixed += terms.loss_bytes
-    if remat(recompute):  # its backward rebuilds one block's activations
-        fixed += u.act_full_bytes
-    per_block = u.params * terms.state_bytes_per_param + terms.inflight[rank] * u.act_bytes
-    return max(0, math.floor((capacity - fixed) / per_block)) if per_block > 0 else 10**9
+def rank_budgets_bytes(terms: Terms, capacity: float) -> list[float]:
+    """Memory left on each rank for its blocks: the capacity less its buffers, reserve, the
+    embedding's and the head's states and in-flight activations, and the loss (the ILP's
+    ``memory_k`` constraint without its blocks and without a rematerialised block)."""
+    st = terms.strategy
+    budgets = [capacity - b - terms.reserve_bytes for b in terms.buffers]
+    for edge, k in ((terms.embed, 0), (terms.head, st.head_rank)):
+        budgets[k] -= edge.params * terms.state_bytes_per_param + terms.inflight[k] * edge.act_bytes
+    budgets[st.head_rank] -= terms.loss_bytes
+    return budgets
+
+
+def block_bytes(terms: Terms, rank: int, recompute: str) -> float:
+    """One block's memory on rank ``rank`` with ``recompute``: its model states and its
+    activations times the micro-batches in flight there."""
+    u = terms.block[recompute]
+    return u.params * terms.state_bytes_per_param + terms.inflight[rank] * u.act_bytes
+
+
+def rank_max_blocks(
+    terms: Terms, capacity: float, recompute: str, budgets: list[float] | None = None
+) -> list[int]:
+    """Most blocks each rank can hold if all of them use ``recompute`` (memory constraint of
+    the ILP solved for one rank; ``budgets``: ``rank_budgets_bytes`` if already known). Mixing
+    choices never holds more than the leanest one."""
+    u = terms.block[recompute]
+    states = u.params * terms.state_bytes_per_param
+    rebuilt = u.act_full_bytes if remat(recompute) else 0.0  # its backward rebuilds one block
+    out = []
+    for budget, inflight in zip(budgets or rank_budgets_bytes(terms, capacity), terms.inflight, strict=True):
+        per_block = states + inflight * u.act_bytes
+        room = (budget - rebuilt) / per_block if per_block > 0 else math.inf
+        out.append(max(0, math.floor(room)) if room < 10**9 else 10**9)
+    return out
 
 
 FREE_INTERLEAVED_PP = 4
@@ -64,7 +84,10 @@ def fits_somehow(terms: Terms, blocks: int, capacity: float, allowed: tuple[str,
     # the most blocks come from the leanest choice with and without rematerialisation (within
     # each, the fixed memory is the same and blocks differ only in their activations)
     leanest = {remat(r): r for r in sorted(allowed, key=lambda r: -terms.block[r].act_bytes)}.values()
-    caps = [max(max_blocks(terms, k, capacity, r) for r in leanest) for k in range(st.pp)]
+    budgets = rank_budgets_bytes(terms, capacity)
+    caps = [
+        max(c) for c in zip(*(rank_max_blocks(terms, capacity, r, budgets) for r in leanest), strict=True)
+    ]
     need = fixed_rank_blocks(st, blocks) or [st.min_rank_blocks(k) for k in range(st.pp)]
     return (
         all(c >= n for c, n in zip(caps, need, strict=True)) and sum(min(c, blocks) for c in caps) >= blocks
@@ -83,10 +106,9 @@ class LayoutILP:
         same = terms.block["selective"] == terms.block["none"]
         self.choices = [r for r in allowed if not (r == "selective" and same and "none" in allowed)]
         self.prob = pulp.LpProblem("layout", pulp.LpMinimize)
-        # Tight bounds from each rank's memory alone (max_blocks) make the relaxation much stronger.
-        self.upper = {
-            (k, r): min(blocks, max_blocks(terms, k, capacity, r)) for k in range(st.pp) for r in self.choices
-        }
+        # Tight bounds from each rank's memory alone (rank_max_blocks) make the relaxation much stronger.
+        caps = {r: rank_max_blocks(terms, capacity, r) for r in self.choices}
+        self.upper = {(k, r): min(blocks, caps[r][k]) for k in range(st.pp) for r in self.choices}
         self.n = {
             (k, r): pulp.LpVariable(f"n_{k}_{r}", lowBound=0, upBound=self.upper[k, r], cat="Integer")
             for (k, r) in self.upper

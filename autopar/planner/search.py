@@ -12,9 +12,10 @@ with PuLP + HiGHS (CBC if HiGHS is missing). Its objective and constraints are
 Outer candidates whose memory can hold no layout at all are dropped (an exact
 per-rank check); the rest are visited best lower bound first — perfect stage
 balance, only the recompute memory forces, the DP exposure of an average rank
-(a max of convex hinges is at least the hinge of the average) — and the search
-stops once no bound can beat the best plan found: branch and bound over the
-enumeration. An outer choice whose even split attains its bound needs no ILP.
+(a max of convex hinges is at least the hinge of the average), tightened per rank
+for the choices the search reaches (``bounds``) — and the search stops once no
+bound can beat the best plan found: branch and bound over the enumeration. An outer
+choice whose even split attains its bound needs no ILP.
 With tp > 1 the per-operator TP choice (``tp_layouts``) prices each width
 with and without sequence parallelism, and, where they differ, with its
 fastest and its leanest layout: the per-operator ILP trades time for memory,
@@ -25,6 +26,7 @@ tried only on request.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -32,10 +34,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.cluster import Cluster
-from autopar.cost_models.dp_overlap import dp_exposed_s
 from autopar.cost_models.estimate import Estimate
-from autopar.cost_models.terms import RankLoad, Terms
-from autopar.planner.layout_ilp import fits_somehow, fixed_rank_blocks, max_blocks, solve_layout
+from autopar.cost_models.terms import Terms
+from autopar.planner.bounds import lower_bound_s, tight_bound_s
+from autopar.planner.layout_ilp import fits_somehow, solve_layout
 from autopar.planner.pricing import Pricer
 from autopar.planner.recompute_ilp import recompute_choices
 from autopar.request import Constraints, PlanRequest
@@ -201,52 +203,6 @@ def measured_first(cluster: Cluster, strategies: list[Strategy]) -> list[Strateg
     return kept or strategies
 
 
-def lower_bound_s(
-    terms: Terms, blocks: int, capacity: float = math.inf, allowed: tuple[str, ...] = ("none",)
-) -> float:
-    """A bound no layout beats: perfect balance (or, where a deep interleaved pipeline fixes each
-    rank's count, ``fixed_rank_blocks``, the slowest rank's blocks and edges without recompute),
-    no DP traffic, and only as much recompute as memory forces (blocks that no rank can hold
-    without it pay the cheapest recompute)."""
-    st = terms.strategy
-    u = terms.block["none"]
-    without = sum(min(max_blocks(terms, k, capacity, "none"), blocks) for k in range(st.pp))
-    forced = max(0, blocks - without) if "none" in allowed else blocks
-    extras = [terms.block[r].time_s - u.time_s for r in allowed if r != "none"]
-    total = (
-        blocks * u.time_s + forced * (min(extras) if extras else 0.0) + terms.embed.time_s + terms.head.time_s
-    )
-    per_rank = max(total / st.pp, terms.embed.time_s, terms.head.time_s, u.time_s)
-    fixed = fixed_rank_blocks(st, blocks)
-    if fixed:  # a deep interleaved pipeline: each rank's count is the even split's
-        head = st.head_rank
-        edge_s = [terms.embed.time_s * (k == 0) + terms.head.time_s * (k == head) for k in range(st.pp)]
-        per_rank = max(per_rank, *(n * u.time_s + e for n, e in zip(fixed, edge_s, strict=True)))
-    params = blocks * u.params + terms.embed.params + terms.head.params
-    # DP/ZeRO exposure is a max over ranks of convex hinges: at least that of the average rank,
-    # taken with every block's backward as long as allowed (most overlap) and no re-gathering.
-    longest = max((terms.block[r] for r in allowed), key=lambda x: x.bwd_s)
-    edges = (terms.embed, terms.head)
-    average = RankLoad(
-        fwd_s=(blocks * u.fwd_s + sum(e.fwd_s for e in edges)) / st.pp,
-        bwd_compute_s=(blocks * u.bwd_compute_s + sum(e.bwd_compute_s for e in edges)) / st.pp,
-        recompute_s=0.0,
-        tp_s=0.0,
-        bwd_s=(blocks * longest.bwd_s + sum(e.bwd_s for e in edges)) / st.pp,
-        wgrad_s=0.0,
-        params=params / st.pp,
-        layers=(blocks + 2) // st.pp,
-        act_bytes=0.0,
-        rematerialises=False,
-    )
-    rounds = st.micro_batches + terms.bubble_rounds
-    return (
-        rounds * (per_rank + terms.p2p_s)
-        + params / st.pp * terms.opt_s_per_param
-        + dp_exposed_s(terms, average)
-    )
-
-
 Progress = Callable[[int, int, str], None]
 """Told (done, total, what) as the search goes: pricing each outer choice, then solving each
 one visited in bound order (done = total when the rest are bounded out); the convention of
@@ -270,24 +226,25 @@ def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = Non
     progress = progress or _quiet
     base, capacity = pricer.profiles.base, request.capacity_bytes
     allowed, strategies = _candidates(request, pricer)
-    infeasible: list[Strategy] = []
-    bounded = []
-    for i, st in enumerate(strategies):
-        progress(i, len(strategies), PRICING)
-        terms = pricer.terms(st)
-        if not fits_somehow(terms, base.blocks, capacity, allowed):
-            infeasible.append(st)
-            continue
-        bounded.append((lower_bound_s(terms, base.blocks, capacity, allowed), st, terms))
-    progress(len(strategies), len(strategies), PRICING)
-    bounded.sort(key=lambda x: x[0])
+    bounded, infeasible = _priced(pricer, strategies, capacity, allowed, progress)
     found: list[Candidate] = []
     proven: list[float] = []
-    ilps = 0
-    for i, (bound, st, terms) in enumerate(bounded):
-        progress(i, len(bounded), SOLVING)
+    ilps = visited = 0
+    # Best bound first; a choice's cheap bound is tightened (``tight_bound_s``) when it comes up
+    # and the choice goes back in line: only the few the search reaches pay for the tight one.
+    heap = [(bound, i, False) for i, (bound, _, _) in enumerate(bounded)]
+    heapq.heapify(heap)
+    while heap:
+        bound, i, tight = heapq.heappop(heap)
         if found and bound >= found[0].estimate.step_time_s:
             break  # no remaining outer choice can beat the best plan
+        st, terms = bounded[i][1:]
+        if not tight:
+            tighter = tight_bound_s(terms, base.blocks, capacity, allowed)
+            heapq.heappush(heap, (tighter, i, True))
+            continue
+        visited += 1
+        progress(visited, len(bounded), SOLVING)
         cand = _even_split(pricer, st, bound, capacity, allowed, base.blocks)
         if cand is None:
             # Each ILP gets a slice of the budget; one that runs out reports its proven gap.
@@ -312,6 +269,24 @@ def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = Non
         gap=gap,
         leanest=[] if found else _leanest(pricer, infeasible, allowed),
     )
+
+
+def _priced(
+    pricer: Pricer, strategies: list[Strategy], capacity: float, allowed: tuple[str, ...], progress: Progress
+) -> tuple[list[tuple[float, Strategy, Terms]], list[Strategy]]:
+    """Each outer choice's terms and cheap lower bound, and those no layout fits (apart)."""
+    blocks = pricer.profiles.base.blocks
+    infeasible: list[Strategy] = []
+    bounded = []
+    for i, st in enumerate(strategies):
+        progress(i, len(strategies), PRICING)
+        terms = pricer.terms(st)
+        if not fits_somehow(terms, blocks, capacity, allowed):
+            infeasible.append(st)
+            continue
+        bounded.append((lower_bound_s(terms, blocks, capacity, allowed), st, terms))
+    progress(len(strategies), len(strategies), PRICING)
+    return bounded, infeasible
 
 
 def _candidates(request: PlanRequest, pricer: Pricer) -> tuple[tuple[str, ...], list[Strategy]]:

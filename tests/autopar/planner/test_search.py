@@ -337,8 +337,8 @@ def test_a_deep_interleaved_pipeline_takes_the_even_split_and_its_bound_holds() 
     split's count, the embedding's and the head's ranks the lighter ones, and the search's bound
     (which uses those counts) stays at or below the layout ILP's optimum."""
     from autopar.planner import Pricer
+    from autopar.planner.bounds import lower_bound_s, tight_bound_s
     from autopar.planner.layout_ilp import FREE_INTERLEAVED_PP, fixed_rank_blocks, solve_layout
-    from autopar.planner.search import lower_bound_s
 
     cfg = GPTConfig(n_layer=14, n_embd=64, n_head=4, vocab_size=4096, block_size=SEQ)
     with torch.device("meta"):
@@ -353,4 +353,5 @@ def test_a_deep_interleaved_pipeline_takes_the_even_split_and_its_bound_holds() 
     layout, gap = solve_layout(terms, blocks=14, capacity=80e9, allowed=allowed, time_limit=10.0)
     assert [sum(c) for c in layout] == [2, 2, 3, 3, 2, 2] and gap == 0.0
     best = estimate(profiles.at(1), cluster, replace(st, layout=layout)).step_time_s
-    assert lower_bound_s(terms, 14, 80e9, allowed) <= best * (1 + 1e-9)
+    cheap, tight = lower_bound_s(terms, 14, 80e9, allowed), tight_bound_s(terms, 14, 80e9, allowed)
+    assert cheap <= tight <= best * (1 + 1e-9)
