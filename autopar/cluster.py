@@ -364,7 +364,7 @@ _NVLINK_LATENCY_S = 5e-6
 _IB_LATENCY_S = 10e-6
 
 
-def _dgx(
+def _node(
     name: str,
     device: str,
     memory_gb: float,
@@ -373,7 +373,12 @@ def _dgx(
     nvlink_gb_s: float,
     ib_gb_s: float,
     attention_efficiency: float | None = None,
+    *,
+    intra_latency_s: float = _NVLINK_LATENCY_S,
+    inter_latency_s: float = _IB_LATENCY_S,
 ) -> Callable[[int | None], Cluster]:
+    """A preset of 8 GPUs per node (by default): peaks (fp32, tf32, bf16 = fp16) in TFLOP/s, HBM
+    in TB/s, the intra-node link per GPU and the network per node in GB/s."""
     fp32, tf32, bf16 = peaks_tflops
 
     def make(gpus_per_node: int | None) -> Cluster:
@@ -394,11 +399,25 @@ def _dgx(
                 matmul_efficiency=MATMUL_EFFICIENCY,
                 attention_efficiency=attention_efficiency,
             ),
-            intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink_gb_s * 1e9, latency_s=_NVLINK_LATENCY_S),
-            inter_node=LinkSpec(bandwidth_bytes_per_s=ib_gb_s * 1e9, latency_s=_IB_LATENCY_S),
+            intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink_gb_s * 1e9, latency_s=intra_latency_s),
+            inter_node=LinkSpec(bandwidth_bytes_per_s=ib_gb_s * 1e9, latency_s=inter_latency_s),
         )
 
     return make
+
+
+# Commodity PCIe clusters (private clouds): GPUs without NVLink on PCIe 4.0 x16, nodes on Ethernet.
+# Datasheets: NVIDIA L40S (48 GB GDDR6 at 864 GB/s; dense fp32 91.6, tf32 183, bf16/fp16 362
+# TFLOP/s — the datasheet's 733 is with sparsity) and A100 80GB PCIe (19.5 / 156 / 312 TFLOP/s,
+# HBM2e 1.935 TB/s). Links, stated assumptions until `autopar profile-comm` measures them:
+# PCIe 4.0 x16 moves 31.5 GB/s each way (16 GT/s × 16 lanes × 128/130 bits, PCI-SIG); a ring
+# over 8 GPUs behind two CPU sockets reaches well below it, taken as 20 GB/s per GPU with 10 µs
+# per message, so tensor parallelism inside a node is priced at PCIe's rate, not NVLink's; the
+# network at 90% of the Ethernet line rate (100 GbE: 11.25 GB/s per node; 25 GbE: 2.8 GB/s) with
+# 30 µs per message (a switch hop, RoCE or TCP).
+_PCIE_GB_S = 20.0
+_PCIE_LATENCY_S = 10e-6
+_ETHERNET_LATENCY_S = 30e-6
 
 
 def _cpu(gpus_per_node: int | None) -> Cluster:
@@ -428,15 +447,15 @@ def _cpu(gpus_per_node: int | None) -> Cluster:
 
 
 PRESETS: dict[str, Callable[[int | None], Cluster]] = {
-    "dgx-a100-40g": _dgx("dgx-a100-40g", "A100-SXM4-40GB", 40, (19.5, 156, 312), 1.555, 230, 200),
-    "dgx-a100-80g": _dgx("dgx-a100-80g", "A100-SXM4-80GB", 80, (19.5, 156, 312), 2.039, 230, 200),
-    "dgx-h100": _dgx(
+    "dgx-a100-40g": _node("dgx-a100-40g", "A100-SXM4-40GB", 40, (19.5, 156, 312), 1.555, 230, 200),
+    "dgx-a100-80g": _node("dgx-a100-80g", "A100-SXM4-80GB", 80, (19.5, 156, 312), 2.039, 230, 200),
+    "dgx-h100": _node(
         "dgx-h100", "H100-SXM5-80GB", 80, (67, 494.5, 989), 3.35, 370, 400, HOPPER_FLASH_ATTENTION_EFFICIENCY
     ),
-    "dgx-h200": _dgx(
+    "dgx-h200": _node(
         "dgx-h200", "H200-SXM-141GB", 141, (67, 494.5, 989), 4.8, 370, 400, HOPPER_FLASH_ATTENTION_EFFICIENCY
     ),
-    "h100-96g-500w": _dgx(
+    "h100-96g-500w": _node(
         "h100-96g-500w",
         "H100-96GB-HBM2e-500W",
         96,
@@ -445,6 +464,28 @@ PRESETS: dict[str, Callable[[int | None], Cluster]] = {
         370,
         400,
         HOPPER_FLASH_ATTENTION_EFFICIENCY,
+    ),
+    "l40s-100gbe": _node(
+        "l40s-100gbe",
+        "L40S-48GB-PCIe",
+        48,
+        (91.6, 183, 362),
+        0.864,
+        _PCIE_GB_S,
+        100 / 8 * 0.9,
+        intra_latency_s=_PCIE_LATENCY_S,
+        inter_latency_s=_ETHERNET_LATENCY_S,
+    ),
+    "a100-pcie-25gbe": _node(
+        "a100-pcie-25gbe",
+        "A100-PCIe-80GB",
+        80,
+        (19.5, 156, 312),
+        1.935,
+        _PCIE_GB_S,
+        25 / 8 * 0.9,
+        intra_latency_s=_PCIE_LATENCY_S,
+        inter_latency_s=_ETHERNET_LATENCY_S,
     ),
     "cpu": _cpu,
 }

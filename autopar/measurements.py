@@ -30,8 +30,19 @@ from autopar.files import write_atomic
 
 FORMAT_VERSION = 1
 """Version of both file formats; a file of another version is refused."""
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-"""Collectives ``profile-comm`` measures (send_recv: one message between two ranks)."""
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "send_recv",
+    "all_reduce_bf16",
+    "reduce_scatter_bf16",
+)
+"""Collectives ``profile-comm`` measures (send_recv: one message between two ranks; ``_bf16``:
+the reduction on bf16 tensors, as a bf16 gradient reduction issues it — a backend may add
+bf16 more slowly per byte than fp32, e.g. gloo in software; S in bytes either way)."""
+GROUP_COLLECTIVES = tuple(c for c in COLLECTIVES if c != "send_recv")
+"""The collectives ``profile-comm`` measures on groups of every size."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +207,8 @@ class CollectiveFit:
         """The ring bandwidth β this fit implies (all-reduce: 2(n−1)/n·S/β; all-gather and
         reduce-scatter: (n−1)/n·S/β; send/recv: S/β), comparable with a LinkSpec's."""
         n = self.group_size
-        factor = {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(self.collective, (n - 1) / n)
+        base = self.collective.removesuffix("_bf16")
+        factor = {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(base, (n - 1) / n)
         return factor / self.seconds_per_byte if self.seconds_per_byte > 0 else float("inf")
 
 
@@ -295,6 +307,7 @@ def load_comm(path: str | os.PathLike[str]) -> CommProfile:
 __all__ = [
     "COLLECTIVES",
     "FORMAT_VERSION",
+    "GROUP_COLLECTIVES",
     "CollectiveFit",
     "CommProfile",
     "ComputeProfile",

@@ -228,7 +228,8 @@ class Plan:
             + (f" v={st.virtual_stages}" if st.virtual_stages > 1 else "")
             + f"; sequence parallel {'on' if st.sequence_parallel else 'off'}"
             + ("; TP layout: leanest" if st.tp > 1 and st.tp_objective == "memory" else "")
-            + f"; {st.dtype}",
+            + f"; {st.dtype}"
+            + _reduce_note(st),
         ]
         for s in self.stages:
             rc = s.recompute_summary
@@ -237,6 +238,14 @@ class Plan:
         for ltype, ops in self.tensor_parallel:
             lines.append(f"tensor parallel {ltype}: " + (", ".join(_tp_summary(ops)) or "all replicated"))
         return "\n".join(lines)
+
+
+def _reduce_note(st: Strategy) -> str:
+    """The gradient reduction's dtype where it is not fp32, and whether it loses precision."""
+    if st.dp == 1 or st.grad_reduce == "fp32":
+        return ""
+    why = "lossy, allowed by --allow-lossy-comm" if st.lossy_comm else f"the precision of a {st.dtype} plan"
+    return f"; gradients reduced in {st.grad_reduce} ({why})"
 
 
 def _policy_lines(st: Strategy, predicted: dict[str, Any], used: set[str]) -> list[str]:

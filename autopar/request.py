@@ -10,7 +10,14 @@ from torch import nn
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
-from autopar.strategy import ALLOWED_RECOMPUTE, DTYPES, SCHEDULES, TP_OBJECTIVES, is_recompute_name
+from autopar.strategy import (
+    ALLOWED_RECOMPUTE,
+    DTYPES,
+    GRAD_REDUCE,
+    SCHEDULES,
+    TP_OBJECTIVES,
+    is_recompute_name,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +46,12 @@ class Constraints:
     recompute: tuple[str, ...] = ALLOWED_RECOMPUTE
     """Recompute choices allowed per block: none, selective, full, ``sac`` (every per-operator
     policy the planner finds for the model) or single policies (``sac2``)."""
+    grad_reduce: str | None = None
+    """Fix the dtype of the data-parallel gradient reduction (fp32 or bf16; None: the planner
+    picks, bf16 only where it loses nothing the plan keeps or ``allow_lossy_comm``)."""
+    allow_lossy_comm: bool = False
+    """Let the planner pick communication knobs that drop precision the plan's dtype keeps
+    (``Strategy.lossy_comm``: bf16 gradient reduction of an fp32 or fp16 plan)."""
     memory_cap_bytes: float | None = None
     """Plan for at most this much memory per GPU (below the device's)."""
     max_micro_batch: int = 16
@@ -49,6 +62,10 @@ class Constraints:
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise AutoparError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.grad_reduce is not None and self.grad_reduce not in GRAD_REDUCE:
+            raise AutoparError(
+                f"grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}"
+            )
         if self.tp_objective is not None and self.tp_objective not in TP_OBJECTIVES:
             raise AutoparError(
                 f"tp_objective must be one of {', '.join(TP_OBJECTIVES)}, got {self.tp_objective!r}"
@@ -97,6 +114,12 @@ class PlanRequest:
             raise AutoparError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.time_limit_s <= 0:
             raise AutoparError(f"time_limit_s must be positive, got {self.time_limit_s!r}")
+        c = self.constraints
+        if c.grad_reduce not in (None, "fp32", self.dtype) and not c.allow_lossy_comm:
+            raise AutoparError(
+                f"a {c.grad_reduce} gradient reduction of a {self.dtype} plan drops precision the plan "
+                "keeps; pass --allow-lossy-comm (allow_lossy_comm=True) to allow it, or reduce in fp32"
+            )
 
     @property
     def model_name(self) -> str:

@@ -41,6 +41,8 @@ def is_recompute_name(name: str) -> bool:
 
 DTYPES = ("bf16", "fp16", "fp32")
 TP_OBJECTIVES = ("time", "memory")
+GRAD_REDUCE = ("fp32", "bf16")
+"""Dtypes the data-parallel gradient reduction may run in (``Strategy.grad_reduce``)."""
 SHARDING = ("column", "row", "heads", "vocab")
 """Names of the strategies that split an operator's weights or heads (the others replicate or
 follow their inputs): what plans show per module."""
@@ -125,6 +127,11 @@ class Strategy:
     """Megatron sequence parallelism on the TP axis (norms and dropout sharded by sequence)."""
     dtype: str = "bf16"
     """Compute dtype; bf16/fp16 keep fp32 master weights and Adam states."""
+    grad_reduce: str = "fp32"
+    """Dtype of the data-parallel gradient reduction (all-reduce, reduce-scatter): fp32, or bf16
+    (half the bytes on the wire: DDP's ``bf16_compress_hook``, FSDP2's ``reduce_dtype``). On a
+    bf16 plan each rank's gradient is rounded to the precision it was computed in; on an fp32
+    or fp16 plan bf16 drops mantissa bits the plan keeps (``lossy_comm``)."""
     tp_objective: str = "time"
     """What the per-operator TP choice minimises (tp > 1): ``time``, the fastest layout, or
     ``memory``, the fastest of the leanest (e.g. a large embedding split by vocabulary where
@@ -154,6 +161,7 @@ class Strategy:
             ("schedule", SCHEDULES),
             ("tp_objective", TP_OBJECTIVES),
             ("dtype", DTYPES),
+            ("grad_reduce", GRAD_REDUCE),
         ):
             if getattr(self, name) not in allowed:
                 raise StrategyError(
@@ -220,6 +228,18 @@ class Strategy:
     def policy(self, name: str) -> RecomputePolicy | None:
         """The per-operator policy called ``name`` (None for none, selective and full)."""
         return next((p for p in self.policies if p.name == name), None)
+
+    @property
+    def lossy_comm(self) -> bool:
+        """Whether a communication knob drops precision the plan's dtype keeps: a gradient
+        reduction in bf16 of an fp32 or fp16 plan (fp16 has 3 more mantissa bits than bf16)."""
+        return self.grad_reduce != "fp32" and self.grad_reduce != self.dtype
+
+    @property
+    def uses_ddp(self) -> bool:
+        """Whether the data-parallel axis runs on DDP (the model as written, tp = pp = 1, at
+        ZeRO 0–1, dp > 1; every other data-parallel plan runs on FSDP2)."""
+        return self.dp > 1 and self.tp == 1 and self.pp == 1 and self.zero <= 1
 
     @property
     def world_size(self) -> int:

@@ -89,14 +89,17 @@ def unmeasured(link: GroupLink, n: int, collectives: tuple[str, ...]) -> list[st
 
 
 def coefficients(collective: str, n: int, link: GroupLink) -> tuple[float, float]:
-    """(a, b) with time(S) = a + b·S for ``collective`` over n ranks: the measured fit, else
+    """(a, b) with time(S) = a + b·S for ``collective`` over n ranks: the measured fit (for a
+    ``_bf16`` reduction not measured, the fp32 one's: the same bytes), else
     the ring's (n−1)·α and (n−1)/(n·β) for an all-gather or reduce-scatter, twice both for an
     all-reduce, (α, 1/β) for a send/recv. (0, 0) for a single rank."""
     if n <= 1:
         return 0.0, 0.0
-    got = link.fit(collective)
+    base = collective.removesuffix("_bf16")  # on bf16 tensors: the same bytes, where not measured
+    got = link.fit(collective) or link.fit(base)
     if got is not None:
         return got
+    collective = base
     if collective == "send_recv":
         return link.latency_s, 1 / link.bandwidth_bytes_per_s
     lat, spb = (n - 1) * link.latency_s, (n - 1) / n / link.bandwidth_bytes_per_s

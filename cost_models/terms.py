@@ -18,6 +18,7 @@ from autopar.cost_models import comm
 from autopar.cost_models import memory as mem
 from autopar.cost_models import recompute as rc
 from autopar.cost_models.compute import (
+    grad_compress_s_per_param,
     layer_backward_s,
     layer_forward_s,
     optimizer_s_per_param,
@@ -29,8 +30,9 @@ from autopar.errors import AutoparError
 from autopar.measurements import ComputeProfile, LayerTiming
 from autopar.strategy import Strategy, remat
 
-GRAD_REDUCE_BYTES = {"bf16": 4, "fp16": 2, "fp32": 4}
-"""Bytes per gradient element in the DP reduction (bf16 training reduces in fp32)."""
+GRAD_REDUCE_BYTES = {"fp32": 4, "bf16": 2}
+"""Bytes per gradient element in the DP reduction, by ``Strategy.grad_reduce`` (mixed-precision
+training reduces in fp32 unless the plan says bf16)."""
 CUDA_CONTEXT_BYTES = 2**30
 """Memory the CUDA context and NCCL take before any tensor (~1 GiB)."""
 FRAGMENTATION = 0.05
@@ -120,7 +122,8 @@ class Terms:
     """ZeRO-0: the all-reduce of DDP's last gradient bucket, which starts when backward ends
     (min(25 MiB, the rank's gradients): all of them for a small model)."""
     opt_s_per_param: float
-    """Optimizer seconds per parameter on a GPU (÷ dp under ZeRO ≥ 1)."""
+    """Optimizer seconds per parameter on a GPU (÷ dp under ZeRO ≥ 1), plus the gradient
+    compression casts (``compute.grad_compress_s_per_param``): both once per step, per parameter."""
     loss_bytes: float
     """The loss's fp32 buffers on the last rank (``memory.loss_bytes``)."""
     buffers: tuple[float, ...]
@@ -342,8 +345,9 @@ def build_terms(
     pp_link = comm.group_link(cluster, size=p, stride=t * st.dp)
     dp_link = comm.group_link(cluster, size=st.dp, stride=t)
     lat, s_per_byte = comm.coefficients("all_gather", st.dp, dp_link)
-    rs_lat, rs_s_per_byte = comm.coefficients("reduce_scatter", st.dp, dp_link)
-    ar_lat, ar_s_per_byte = comm.coefficients("all_reduce", st.dp, dp_link)
+    on = "_bf16" if st.grad_reduce == "bf16" else ""  # gradients on bf16 tensors (measured apart)
+    rs_lat, rs_s_per_byte = comm.coefficients(f"reduce_scatter{on}", st.dp, dp_link)
+    ar_lat, ar_s_per_byte = comm.coefficients(f"all_reduce{on}", st.dp, dp_link)
     w = mem.STATE_BYTES[st.dtype][0]
     shard = st.dp
     layers = (blocks["none"], embed, head)
@@ -361,7 +365,7 @@ def build_terms(
         bubble_rounds=_bubble_rounds(st, blocks["none"]),
         state_bytes_per_param=mem.state_bytes_per_param(st),
         weight_bytes=w,
-        grad_bytes=GRAD_REDUCE_BYTES[st.dtype],
+        grad_bytes=GRAD_REDUCE_BYTES[st.grad_reduce],
         lat_s=lat,
         s_per_byte=s_per_byte,
         rs_lat_s=rs_lat,
@@ -370,7 +374,8 @@ def build_terms(
         ar_s_per_byte=ar_s_per_byte,
         overlap=cluster.comm_profile.overlap if cluster.comm_profile is not None else 1.0,
         last_bucket_s=_last_bucket_s(profile, st, layers, ar_lat, ar_s_per_byte),
-        opt_s_per_param=optimizer_s_per_param(cluster, st) / (shard if st.zero >= 1 else 1),
+        opt_s_per_param=optimizer_s_per_param(cluster, st) / (shard if st.zero >= 1 else 1)
+        + grad_compress_s_per_param(cluster, st),
         loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq, vocab=profile.vocab, tp=t),
         buffers=mem.comm_buffer_bytes(
             st,
@@ -392,7 +397,7 @@ def _last_bucket_s(
     ``layers``: a block's (no recompute), the embedding's and the head's units."""
     block, embed, head = layers
     total_params = profile.blocks * block.params + embed.params + head.params
-    grads_per_rank = total_params / st.pp * GRAD_REDUCE_BYTES[st.dtype]
+    grads_per_rank = total_params / st.pp * GRAD_REDUCE_BYTES[st.grad_reduce]
     return ar_lat + ar_s_per_byte * min(mem.DDP_BUCKET_BYTES, grads_per_rank) if st.dp > 1 else 0.0
 
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.request import Constraints
-from autopar.strategy import ALLOWED_RECOMPUTE, SCHEDULES, TP_OBJECTIVES, is_recompute_name
+from autopar.strategy import ALLOWED_RECOMPUTE, GRAD_REDUCE, SCHEDULES, TP_OBJECTIVES, is_recompute_name
 
 MODEL_HELP = "zoo name, path/to/file.py:factory or pkg.mod:factory"
 CLUSTER_HELP = "preset name (see `autopar clusters`) or YAML file"
@@ -78,12 +78,24 @@ def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="what the per-operator TP choice minimises (default: the planner prices both)",
     )
+    add_grad_reduce_flag(g, "fix the dtype gradients are reduced in (default: the planner picks)")
+    g.add_argument(
+        "--allow-lossy-comm",
+        action="store_true",
+        help="let the planner pick communication that drops precision the dtype keeps (bf16 "
+        "gradient reduction of an fp32 or fp16 plan)",
+    )
     g.add_argument(
         "--recompute",
         default=",".join(ALLOWED_RECOMPUTE),
         help="recompute choices allowed per block, comma-separated: none, selective, full, sac (every "
         "per-operator policy) or one policy such as sac2 (default none,selective,sac,full)",
     )
+
+
+def add_grad_reduce_flag(g: Any, help_text: str, default: str | None = None) -> None:
+    """--grad-reduce: the dtype of the data-parallel gradient reduction."""
+    g.add_argument("--grad-reduce", choices=GRAD_REDUCE, default=default, help=help_text)
 
 
 def add_measured_flags(p: argparse.ArgumentParser) -> None:
@@ -111,6 +123,8 @@ def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Constraints
         sequence_parallel=args.sequence_parallel,
         tp_objective=args.tp_objective,
         recompute=allowed,
+        grad_reduce=args.grad_reduce,
+        allow_lossy_comm=args.allow_lossy_comm,
         **extra,
     )
 

@@ -14,6 +14,7 @@ from autopar.cli.common import (
     CLUSTER_HELP,
     DTYPES,
     MODEL_HELP,
+    add_grad_reduce_flag,
     add_json_flag,
     add_measured_flags,
     count,
@@ -78,6 +79,7 @@ def add_parsers(sub: Any) -> None:
         help="what the per-operator TP choice minimises (default time)",
     )
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    add_grad_reduce_flag(p, "dtype the data-parallel gradients are reduced in (default fp32)", "fp32")
     p.add_argument(
         "--reserve-gib",
         type=non_negative_float,
@@ -174,6 +176,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         sequence_parallel=args.sequence_parallel,
         tp_objective=args.tp_objective,
         dtype=args.dtype,
+        grad_reduce=args.grad_reduce,
     )
     if strategy.world_size != cluster.world_size:  # before the capture: say it at once
         check_strategy(strategy, world_size=cluster.world_size, blocks=10**9, heads=None)
@@ -205,6 +208,7 @@ def _print_estimate(console: Console, model: str, cluster: Any, st: Any, est: An
         f"{f' v={st.virtual_stages}' if st.virtual_stages > 1 else ''}, recompute {st.recompute}"
         f"{', SP' if st.sequence_parallel else ''}"
         f"{', leanest TP layout' if st.tp > 1 and st.tp_objective == 'memory' else ''}, {st.dtype}"
+        f"{f', gradients reduced in {st.grad_reduce}' if st.dp > 1 and st.grad_reduce != 'fp32' else ''}"
     )
     table = Table(title="step time", show_edge=False, title_justify="left")
     table.add_column("term")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
-from autopar.measurements import COLLECTIVES, CollectiveFit, CommProfile
+from autopar.measurements import GROUP_COLLECTIVES, CollectiveFit, CommProfile
 
 Progress = Callable[[int, int, str], None]
 
@@ -87,10 +87,13 @@ def groups_of(world: int, per_node: int) -> list[tuple[int, bool, list[list[int]
 def _run(
     name: str, size: int, n: int, group: Any, peer: int | None, device: torch.device
 ) -> Callable[[], None]:
-    """A closure issuing one ``name`` of ``size`` bytes on ``group`` (fp32 tensors)."""
-    numel = max(1, size // 4)
+    """A closure issuing one ``name`` of ``size`` bytes on ``group`` (fp32 tensors; bf16 for a
+    ``_bf16`` collective)."""
+    dtype = torch.bfloat16 if name.endswith("_bf16") else torch.float32
+    name = name.removesuffix("_bf16")
+    numel = max(1, size // dtype.itemsize)
     if name == "all_reduce":
-        x = torch.ones(numel, device=device)
+        x = torch.ones(numel, device=device, dtype=dtype)
         return lambda: dist.all_reduce(x, group=group)
     if name == "all_gather":
         shard = max(1, numel // n)
@@ -98,7 +101,8 @@ def _run(
         return lambda: dist.all_gather_into_tensor(out, x, group=group)
     if name == "reduce_scatter":
         shard = max(1, numel // n)
-        x, out = torch.ones(shard * n, device=device), torch.empty(shard, device=device)
+        x = torch.ones(shard * n, device=device, dtype=dtype)
+        out = torch.empty(shard, device=device, dtype=dtype)
         return lambda: dist.reduce_scatter_tensor(out, x, group=group)
     assert name == "send_recv" and peer is not None
     x = torch.ones(numel, device=device)
@@ -287,10 +291,10 @@ def measure_comm(
     sizes = message_sizes(min_bytes, max_bytes)
     groups = _groups(world, per_node)
     pairs = [(False, 1)] + ([(True, per_node)] if world // per_node >= 2 else [])
-    total = (len(groups) * 3 + len(pairs)) * len(sizes)
+    total = (len(groups) * len(GROUP_COLLECTIVES) + len(pairs)) * len(sizes)
     sweep = _Sweep(sizes, device, compute_burst(device), warmup, repeat, total, progress)
     for n, crosses, group in groups:
-        for name in COLLECTIVES[:3]:
+        for name in GROUP_COLLECTIVES:
             sweep.measure(
                 name,
                 n,

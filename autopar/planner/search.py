@@ -146,7 +146,7 @@ def outer_strategies(
     """Every outer choice allowed by the model, the cluster and the constraints (each carrying
     the per-operator recompute ``policies`` its layout may use)."""
     c = request.constraints
-    out = []
+    out: list[Strategy] = []
     for tp, pp, dp in _degrees(request, blocks, heads):
         per_replica = request.global_batch // dp
         # both where tp > 1: the per-operator layouts with and without SP issue different collectives
@@ -165,7 +165,7 @@ def outer_strategies(
             for (schedule, v), sp, zero in ((s, sp, z) for s in schedules for sp in sps for z in zeros):
                 if (sp and tp == 1) or not runs_with_zero(schedule, zero):
                     continue
-                out.append(
+                out.extend(
                     Strategy(
                         tp=tp,
                         pp=pp,
@@ -179,10 +179,27 @@ def outer_strategies(
                         sequence_parallel=sp,
                         dtype=request.dtype,
                         tp_objective=c.tp_objective or "time",
+                        grad_reduce=reduce,
                         policies=policies,
                     )
+                    for reduce in _grad_reduces(request, tp=tp, pp=pp, dp=dp, zero=zero)
                 )
     return measured_first(request.cluster, out)
+
+
+def _grad_reduces(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int) -> list[str]:
+    """The gradient reduction dtypes worth pricing: the constraint's; fp32 at dp 1 (nothing is
+    reduced) or where bf16 would be lossy and not allowed (``Strategy.lossy_comm``); else bf16
+    alone — half the bytes, the same compute and memory under FSDP2, so never slower — but both
+    on DDP, whose compression hook casts each bucket on the compute stream
+    (``compute.grad_compress_s_per_param``), a cost a fully hidden all-reduce does not repay."""
+    c = request.constraints
+    if c.grad_reduce is not None:
+        return [c.grad_reduce]
+    if dp == 1 or not (request.dtype == "bf16" or c.allow_lossy_comm):
+        return ["fp32"]
+    ddp = tp == 1 and pp == 1 and zero <= 1  # Strategy.uses_ddp
+    return ["fp32", "bf16"] if ddp else ["bf16"]
 
 
 def measured_first(cluster: Cluster, strategies: list[Strategy]) -> list[Strategy]:

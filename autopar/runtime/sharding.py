@@ -31,19 +31,23 @@ def make_mesh(plan: Plan) -> Any:
 
 
 def compute_dtype(model: nn.Module, plan: Plan) -> torch.dtype | None:
-    """bf16/fp16 plans on fp32 weights compute in half precision with fp32 master weights and fp32
-    gradient reduction; None when the plan is fp32 or the weights already are the compute dtype."""
+    """bf16/fp16 plans on fp32 weights compute in half precision with fp32 master weights (the
+    gradients reduced in the plan's ``grad_reduce`` dtype); None when the plan is fp32 or the
+    weights already are the compute dtype."""
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.strategy.dtype)
     return half if next(model.parameters()).dtype == torch.float32 else None
 
 
-def fsdp_policy(half: torch.dtype | None) -> Any:
-    """FSDP2's mixed precision for ``compute_dtype``: half-precision parameters, fp32 reduction."""
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``Strategy.grad_reduce`` → the dtype gradients travel in."""
+
+
+def fsdp_policy(half: torch.dtype | None, grad_reduce: str = "fp32") -> Any:
+    """FSDP2's mixed precision for ``compute_dtype``: half-precision parameters, and gradients
+    reduced in the plan's ``grad_reduce`` dtype (also where the weights are already half)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return (
-        MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32) if half else MixedPrecisionPolicy()
-    )
+    return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=REDUCE_DTYPES[grad_reduce])
 
 
 def dp_placement(param: nn.Parameter) -> Any:
@@ -68,7 +72,7 @@ def shard_over_dp(stage: nn.Module, plan: Plan, dp_mesh: Any, half: torch.dtype 
     options = {
         "mesh": dp_mesh,
         "reshard_after_forward": plan.strategy.zero == 3,
-        "mp_policy": fsdp_policy(half),
+        "mp_policy": fsdp_policy(half, plan.strategy.grad_reduce),
         "shard_placement_fn": dp_placement,
     }
     for name in plan.recompute:
@@ -84,15 +88,26 @@ def apply_data_parallel(stages: Stages, plan: Plan, mesh: Any, half: torch.dtype
     st = plan.strategy
     if st.dp == 1:
         return False
-    if stages.gm is None and st.zero <= 1:
+    if st.uses_ddp:  # the model as written (tp = pp = 1) at ZeRO 0–1
         from torch.nn.parallel import DistributedDataParallel
 
         # gradients as views of DDP's buckets: otherwise the buckets are a second copy of every
         # gradient (torch's DDP docs: the saving "will be equal to the total gradients size"),
         # which the cost model's two 25 MiB buckets (memory.comm_buffer_bytes) do not price
-        stages.modules[0] = DistributedDataParallel(
+        ddp = DistributedDataParallel(
             stages.modules[0], process_group=mesh["dp"].get_group(), gradient_as_bucket_view=True
         )
+        if st.grad_reduce == "bf16":
+            # DDP's bf16_compress_hook (each bucket cast to bf16 and divided by the group size,
+            # all-reduced, copied back), registered as torch's _compress_hook under another name:
+            # DDP refuses that one without NCCL, while gloo reduces bf16 too (tested on gloo)
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(
+                mesh["dp"].get_group(),
+                lambda group, bucket: default_hooks._compress_hook(torch.bfloat16, group, bucket),
+            )
+        stages.modules[0] = ddp
         return False
     for stage in stages.modules.values():
         shard_over_dp(stage, plan, mesh["dp"], half)

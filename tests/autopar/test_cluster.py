@@ -24,6 +24,14 @@ def test_presets_have_datasheet_numbers() -> None:
     capped = Cluster.preset("h100-96g-500w").device  # stated assumptions: peak × 500/700, HBM2e
     assert capped.peak_flops["bf16"] == pytest.approx(989e12 * 500 / 700) and capped.memory_bytes == 96e9
     assert capped.hbm_bandwidth_bytes_per_s == 2.4e12
+    # commodity PCIe nodes on Ethernet: datasheet peaks (dense), PCIe and 90% of line rate assumed
+    l40s = Cluster.preset("l40s-100gbe", nodes=2)
+    assert l40s.device.peak_flops["bf16"] == 362e12 and l40s.device.memory_bytes == 48e9
+    assert l40s.inter_node.bandwidth_bytes_per_s == pytest.approx(100e9 / 8 * 0.9)
+    pcie = Cluster.preset("a100-pcie-25gbe")
+    assert pcie.device.hbm_bandwidth_bytes_per_s == 1.935e12
+    assert pcie.inter_node.bandwidth_bytes_per_s == pytest.approx(25e9 / 8 * 0.9)
+    assert pcie.intra_node.bandwidth_bytes_per_s == 20e9 < a100.intra_node.bandwidth_bytes_per_s / 10
     cpu = Cluster.preset("cpu", gpus_per_node=4)
     assert cpu.world_size == 4 and cpu.device.memory_bytes == 5 * 2**30
     assert set(PRESETS) >= {"dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "dgx-h200", "cpu"}

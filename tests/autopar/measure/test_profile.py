@@ -140,7 +140,9 @@ def test_profile_comm_and_calibrate_under_torchrun(profiled, work) -> None:
     assert sorted(f.collective for f in fits.fits) == [
         "all_gather",
         "all_reduce",
+        "all_reduce_bf16",
         "reduce_scatter",
+        "reduce_scatter_bf16",
         "send_recv",
     ]
     assert all(f.latency_s >= 0 and f.seconds_per_byte >= 0 and len(f.times_s) == 8 for f in fits.fits)
