@@ -326,6 +326,16 @@ def _bubble_rounds(st: Strategy, u: Unit) -> float:
     return bubble_rounds(st, fwd_s=fwd, bwd_input_s=u.time_s - fwd - u.wgrad_s, wgrad_s=u.wgrad_s)
 
 
+def _dp_coefficients(st: Strategy, dp_link: comm.GroupLink) -> tuple[tuple[float, float], ...]:
+    """(latency s, s per byte) of the DP group's all-gather, reduce-scatter and all-reduce; the
+    reductions on bf16 tensors when the plan reduces in bf16 (measured apart by profile-comm)."""
+    on = "_bf16" if st.grad_reduce == "bf16" else ""
+    return tuple(
+        comm.coefficients(name, st.dp, dp_link)
+        for name in ("all_gather", f"reduce_scatter{on}", f"all_reduce{on}")
+    )
+
+
 def build_terms(
     profile: ModelProfile,
     cluster: Cluster,
@@ -336,7 +346,7 @@ def build_terms(
     tp_layout: TPLayout | None = None,
 ) -> Terms:
     """The coefficients for ``st``'s outer knobs (its layout is ignored)."""
-    device, t = cluster.device, st.tp
+    t = st.tp
     tp_link = comm.group_link(cluster, size=t, stride=1)
     blocks, embed, head = units or layer_units(profile, cluster, st, tp_layout)
     block_type = profile.layers[1]
@@ -344,12 +354,7 @@ def build_terms(
     p2p_bytes = st.micro_batch * st.seq * profile.hidden * profile.act_bytes / t  # scatter/gather: ÷t
     pp_link = comm.group_link(cluster, size=p, stride=t * st.dp)
     dp_link = comm.group_link(cluster, size=st.dp, stride=t)
-    lat, s_per_byte = comm.coefficients("all_gather", st.dp, dp_link)
-    on = "_bf16" if st.grad_reduce == "bf16" else ""  # gradients on bf16 tensors (measured apart)
-    rs_lat, rs_s_per_byte = comm.coefficients(f"reduce_scatter{on}", st.dp, dp_link)
-    ar_lat, ar_s_per_byte = comm.coefficients(f"all_reduce{on}", st.dp, dp_link)
-    w = mem.STATE_BYTES[st.dtype][0]
-    shard = st.dp
+    (lat, s_per_byte), (rs_lat, rs_s_per_byte), (ar_lat, ar_s_per_byte) = _dp_coefficients(st, dp_link)
     layers = (blocks["none"], embed, head)
     return Terms(
         strategy=st,
@@ -364,7 +369,7 @@ def build_terms(
         ),
         bubble_rounds=_bubble_rounds(st, blocks["none"]),
         state_bytes_per_param=mem.state_bytes_per_param(st),
-        weight_bytes=w,
+        weight_bytes=mem.STATE_BYTES[st.dtype][0],
         grad_bytes=GRAD_REDUCE_BYTES[st.grad_reduce],
         lat_s=lat,
         s_per_byte=s_per_byte,
@@ -374,7 +379,7 @@ def build_terms(
         ar_s_per_byte=ar_s_per_byte,
         overlap=cluster.comm_profile.overlap if cluster.comm_profile is not None else 1.0,
         last_bucket_s=_last_bucket_s(profile, st, layers, ar_lat, ar_s_per_byte),
-        opt_s_per_param=optimizer_s_per_param(cluster, st) / (shard if st.zero >= 1 else 1)
+        opt_s_per_param=optimizer_s_per_param(cluster, st) / (st.dp if st.zero >= 1 else 1)
         + grad_compress_s_per_param(cluster, st),
         loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq, vocab=profile.vocab, tp=t),
         buffers=mem.comm_buffer_bytes(
@@ -383,7 +388,7 @@ def build_terms(
             edge_params=(embed.params, head.params),
             p2p_bytes=p2p_bytes,
         ),
-        reserve_bytes=reserve_bytes if reserve_bytes is not None else _default_reserve_bytes(device),
+        reserve_bytes=reserve_bytes if reserve_bytes is not None else _default_reserve_bytes(cluster.device),
         dp_crosses_nodes=dp_link.crosses_nodes and st.dp > 1,
         tp_crosses_nodes=tp_link.crosses_nodes,
     )

@@ -451,8 +451,7 @@ def verify_cases(
         arithmetic = arithmetic_of(plan.strategy.dtype, double[make_model])
         ref = references[make_model, arithmetic]
         judged = "float32" if arithmetic == "float64" and double[make_model] == "lowered" else arithmetic
-        if plan.strategy.lossy_comm:  # gradients rounded to bf16 on the wire: bf16's bounds
-            judged = "bf16"
+        judged = "bf16" if plan.strategy.lossy_comm else judged  # bf16 on the wire: bf16's bounds
         verdict = judge(ref, results[i_off], judged)
         if i_on is not None:
             twin = as_trace(results[i_twin], ref.initial) if i_twin is not None else None

@@ -43,11 +43,13 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def fsdp_policy(half: torch.dtype | None, grad_reduce: str = "fp32") -> Any:
-    """FSDP2's mixed precision for ``compute_dtype``: half-precision parameters, and gradients
-    reduced in the plan's ``grad_reduce`` dtype (also where the weights are already half)."""
+    """FSDP2's mixed precision for ``compute_dtype``: half-precision parameters; gradients reduced
+    in bf16 when the plan says so, else in fp32 under half compute and in the weights' own dtype
+    otherwise (an fp64 verify run must not round its gradients to fp32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=REDUCE_DTYPES[grad_reduce])
+    reduce = REDUCE_DTYPES[grad_reduce] if grad_reduce != "fp32" or half else None
+    return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=reduce)
 
 
 def dp_placement(param: nn.Parameter) -> Any:

@@ -99,6 +99,8 @@ def test_clusters_lists_presets(capsys) -> None:
         "dgx-h100",
         "dgx-h200",
         "h100-96g-500w",
+        "l40s-100gbe",
+        "a100-pcie-25gbe",
         "cpu",
     ]
     assert main(["clusters"]) == 0
