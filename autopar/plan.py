@@ -229,7 +229,12 @@ class Plan:
             + f"; sequence parallel {'on' if st.sequence_parallel else 'off'}"
             + ("; TP layout: leanest" if st.tp > 1 and st.tp_objective == "memory" else "")
             + f"; {st.dtype}"
-            + _reduce_note(st),
+            + _reduce_note(st)
+            + (
+                f"; HSDP: {st.dp_replicate} replicas of {st.dp_shard}-rank shard groups"
+                if st.dp_replicate > 1
+                else ""
+            ),
         ]
         for s in self.stages:
             rc = s.recompute_summary

@@ -52,6 +52,9 @@ class Constraints:
     allow_lossy_comm: bool = False
     """Let the planner pick communication knobs that drop precision the plan's dtype keeps
     (``Strategy.lossy_comm``: bf16 gradient reduction of an fp32 or fp16 plan)."""
+    dp_replicate: int | None = None
+    """Fix HSDP's replica count (``Strategy.dp_replicate``; 1: no HSDP). None: the planner
+    prices flat ZeRO-2/3 and shard groups of one and two nodes' data-parallel ranks."""
     memory_cap_bytes: float | None = None
     """Plan for at most this much memory per GPU (below the device's)."""
     max_micro_batch: int = 16
@@ -66,6 +69,11 @@ class Constraints:
             raise AutoparError(
                 f"grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}"
             )
+        r = self.dp_replicate
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
+            raise AutoparError(f"dp_replicate must be a positive integer, got {r!r}")
+        if r is not None and r > 1 and self.zero is not None and self.zero < 2:
+            raise AutoparError(f"HSDP (dp_replicate {r}) shards with ZeRO-2 or 3, not ZeRO-{self.zero}")
         if self.tp_objective is not None and self.tp_objective not in TP_OBJECTIVES:
             raise AutoparError(
                 f"tp_objective must be one of {', '.join(TP_OBJECTIVES)}, got {self.tp_objective!r}"

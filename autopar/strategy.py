@@ -132,6 +132,12 @@ class Strategy:
     (half the bytes on the wire: DDP's ``bf16_compress_hook``, FSDP2's ``reduce_dtype``). On a
     bf16 plan each rank's gradient is rounded to the precision it was computed in; on an fp32
     or fp16 plan bf16 drops mantissa bits the plan keeps (``lossy_comm``)."""
+    dp_replicate: int = 1
+    """Hybrid sharding (HSDP): the data-parallel axis as ``dp_replicate`` groups of
+    ``dp_shard`` = dp / dp_replicate consecutive ranks; ZeRO shards the model states within a
+    group (inside a node when dp_shard · tp fits one), gradients are reduce-scattered within it
+    and all-reduced across the groups (FSDP2 on a 2-D (replicate, shard) mesh; Zhao et al.
+    2023, "PyTorch FSDP" §3.2.2). 1: every state sharded over all dp ranks. ZeRO-2/3 only."""
     tp_objective: str = "time"
     """What the per-operator TP choice minimises (tp > 1): ``time``, the fastest layout, or
     ``memory``, the fastest of the leanest (e.g. a large embedding split by vocabulary where
@@ -147,7 +153,8 @@ class Strategy:
     checkpointing), after none, selective and full."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "seq", "virtual_stages"):
+        positive = ("tp", "pp", "dp", "micro_batch", "global_batch", "seq", "virtual_stages", "dp_replicate")
+        for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise StrategyError(f"{name} must be a positive integer, got {value!r}")
@@ -190,6 +197,11 @@ class Strategy:
             )
         if self.sequence_parallel and self.tp == 1:
             raise StrategyError("sequence parallel needs tp > 1")
+        if self.dp_replicate > 1 and (self.zero < 2 or self.dp % self.dp_replicate or self.dp_shard < 2):
+            raise StrategyError(
+                f"dp_replicate {self.dp_replicate} (HSDP) needs ZeRO-2 or 3 (got {self.zero}) and shard "
+                f"groups of at least 2 ranks dividing dp = {self.dp}"
+            )
         if self.layout and len(self.layout) != self.pp:
             raise StrategyError(f"layout has {len(self.layout)} stages but pp={self.pp}")
         width = len(self.choices)
@@ -240,6 +252,11 @@ class Strategy:
         """Whether the data-parallel axis runs on DDP (the model as written, tp = pp = 1, at
         ZeRO 0–1, dp > 1; every other data-parallel plan runs on FSDP2)."""
         return self.dp > 1 and self.tp == 1 and self.pp == 1 and self.zero <= 1
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks ZeRO shards the model states over: dp / dp_replicate (all of dp without HSDP)."""
+        return self.dp // self.dp_replicate
 
     @property
     def world_size(self) -> int:

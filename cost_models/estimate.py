@@ -219,7 +219,11 @@ def _topology_notes(terms: Terms, cluster: Cluster, st: Strategy) -> list[str]:
         notes.append(f"tp={st.tp} spans nodes: its collectives use the inter-node network")
     if terms.dp_crosses_nodes:
         per_gpu = cluster.inter_node.bandwidth_bytes_per_s / cluster.gpus_per_node
-        notes.append(f"dp={st.dp} spans nodes ({per_gpu / 1e9:.0f} GB/s per GPU)")
+        hsdp = st.dp_replicate > 1
+        notes.append(
+            f"dp={st.dp} spans nodes ({per_gpu / 1e9:.0f} GB/s per GPU)"
+            + (f"; HSDP: {st.dp_replicate} replicas of {st.dp_shard}-rank shard groups" if hsdp else "")
+        )
     return notes
 
 
@@ -288,9 +292,17 @@ def measurement_notes(profile: ModelProfile, cluster: Cluster, st: Strategy) -> 
         dp_uses = {0: ("all_reduce",), 1: ("all_reduce", "all_gather")}.get(
             st.zero, ("all_gather", "reduce_scatter")
         )  # DDP; + ZeroRedundancyOptimizer's broadcast; FSDP2
+        dp_axes = (
+            (
+                ("dp shard", st.dp_shard, st.tp, dp_uses),
+                ("dp replicate", st.dp_replicate, st.tp * st.dp_shard, ("all_reduce",)),
+            )
+            if st.dp_replicate > 1  # HSDP
+            else (("dp", st.dp, st.tp, dp_uses),)
+        )
         uses = (
             ("tp", st.tp, 1, ("all_reduce", "all_gather", "reduce_scatter")),  # the layout may use each
-            ("dp", st.dp, st.tp, dp_uses),
+            *dp_axes,
             ("pp", st.pp, st.tp * st.dp, ("send_recv",)),
         )
         for axis, size, stride, collectives in uses:

@@ -85,7 +85,7 @@ def rank_state_bytes(params: float, st: Strategy) -> dict[str, float]:
     (``FSDPParam.to_accumulated_grad_if_needed``: 4 B each), and keeps the gathered weights
     (w B each) from its first backward to the end of the step.
     """
-    states = model_state_bytes(params, zero=st.zero, dp=st.dp, dtype=st.dtype)
+    states = model_state_bytes(params, zero=st.zero, dp=st.dp_shard, dtype=st.dtype)  # HSDP: ÷ its group
     if st.pp > 1 and st.zero >= 2 and st.dp > 1:
         states["weights"] = params * STATE_BYTES[st.dtype][0]
         states["gradients"] = params * PIPELINE_GRAD_BYTES

@@ -326,14 +326,26 @@ def _bubble_rounds(st: Strategy, u: Unit) -> float:
     return bubble_rounds(st, fwd_s=fwd, bwd_input_s=u.time_s - fwd - u.wgrad_s, wgrad_s=u.wgrad_s)
 
 
-def _dp_coefficients(st: Strategy, dp_link: comm.GroupLink) -> tuple[tuple[float, float], ...]:
+def _dp_coefficients(cluster: Cluster, st: Strategy) -> tuple[tuple[float, float], ...]:
     """(latency s, s per byte) of the DP group's all-gather, reduce-scatter and all-reduce; the
-    reductions on bf16 tensors when the plan reduces in bf16 (measured apart by profile-comm)."""
+    reductions on bf16 tensors when the plan reduces in bf16 (measured apart by profile-comm).
+
+    HSDP (``Strategy.dp_replicate`` r > 1, shard groups of k = dp / r consecutive DP ranks): the
+    all-gather runs within a shard group (k ranks, stride tp), and each reduce-scatter of S bytes
+    within it is followed by an all-reduce of its S/k output across the r groups (stride tp·k),
+    as FSDP2 reduces each unit under HSDP: α_r = α_rs(k) + α_ar(r), σ_r = σ_rs(k) + σ_ar(r)/k.
+    The all-reduce (DDP, ZeRO 0–1) spans the whole DP axis: HSDP needs ZeRO-2/3."""
     on = "_bf16" if st.grad_reduce == "bf16" else ""
-    return tuple(
-        comm.coefficients(name, st.dp, dp_link)
-        for name in ("all_gather", f"reduce_scatter{on}", f"all_reduce{on}")
-    )
+    k, r = st.dp_shard, st.dp_replicate
+    shard_link = comm.group_link(cluster, size=k, stride=st.tp)
+    gather = comm.coefficients("all_gather", k, shard_link)
+    rs_lat, rs_spb = comm.coefficients(f"reduce_scatter{on}", k, shard_link)
+    if r > 1:
+        across = comm.group_link(cluster, size=r, stride=st.tp * k)
+        ar_lat, ar_spb = comm.coefficients(f"all_reduce{on}", r, across)
+        rs_lat, rs_spb = rs_lat + ar_lat, rs_spb + ar_spb / k
+    dp_link = comm.group_link(cluster, size=st.dp, stride=st.tp)
+    return gather, (rs_lat, rs_spb), comm.coefficients(f"all_reduce{on}", st.dp, dp_link)
 
 
 def build_terms(
@@ -354,7 +366,7 @@ def build_terms(
     p2p_bytes = st.micro_batch * st.seq * profile.hidden * profile.act_bytes / t  # scatter/gather: ÷t
     pp_link = comm.group_link(cluster, size=p, stride=t * st.dp)
     dp_link = comm.group_link(cluster, size=st.dp, stride=t)
-    (lat, s_per_byte), (rs_lat, rs_s_per_byte), (ar_lat, ar_s_per_byte) = _dp_coefficients(st, dp_link)
+    (lat, s_per_byte), (rs_lat, rs_s_per_byte), (ar_lat, ar_s_per_byte) = _dp_coefficients(cluster, st)
     layers = (blocks["none"], embed, head)
     return Terms(
         strategy=st,
@@ -379,7 +391,7 @@ def build_terms(
         ar_s_per_byte=ar_s_per_byte,
         overlap=cluster.comm_profile.overlap if cluster.comm_profile is not None else 1.0,
         last_bucket_s=_last_bucket_s(profile, st, layers, ar_lat, ar_s_per_byte),
-        opt_s_per_param=optimizer_s_per_param(cluster, st) / (st.dp if st.zero >= 1 else 1)
+        opt_s_per_param=optimizer_s_per_param(cluster, st) / (st.dp_shard if st.zero >= 1 else 1)
         + grad_compress_s_per_param(cluster, st),
         loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq, vocab=profile.vocab, tp=t),
         buffers=mem.comm_buffer_bytes(

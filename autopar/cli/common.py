@@ -78,6 +78,13 @@ def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="what the per-operator TP choice minimises (default: the planner prices both)",
     )
+    g.add_argument(
+        "--dp-replicate",
+        type=positive,
+        default=None,
+        help="HSDP: replicate the model states over this many groups of the data-parallel ranks, "
+        "ZeRO-sharded within each (1: no HSDP; default: the planner picks)",
+    )
     add_grad_reduce_flag(g, "fix the dtype gradients are reduced in (default: the planner picks)")
     g.add_argument(
         "--allow-lossy-comm",
@@ -124,6 +131,7 @@ def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Constraints
         tp_objective=args.tp_objective,
         recompute=allowed,
         grad_reduce=args.grad_reduce,
+        dp_replicate=args.dp_replicate,
         allow_lossy_comm=args.allow_lossy_comm,
         **extra,
     )

@@ -81,6 +81,12 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     add_grad_reduce_flag(p, "dtype the data-parallel gradients are reduced in (default fp32)", "fp32")
     p.add_argument(
+        "--dp-replicate",
+        type=positive,
+        default=1,
+        help="HSDP: replicas of the ZeRO-2/3 shard groups over the data-parallel ranks (default 1: none)",
+    )
+    p.add_argument(
         "--reserve-gib",
         type=non_negative_float,
         default=None,
@@ -177,6 +183,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         tp_objective=args.tp_objective,
         dtype=args.dtype,
         grad_reduce=args.grad_reduce,
+        dp_replicate=args.dp_replicate,
     )
     if strategy.world_size != cluster.world_size:  # before the capture: say it at once
         check_strategy(strategy, world_size=cluster.world_size, blocks=10**9, heads=None)
@@ -209,6 +216,7 @@ def _print_estimate(console: Console, model: str, cluster: Any, st: Any, est: An
         f"{', SP' if st.sequence_parallel else ''}"
         f"{', leanest TP layout' if st.tp > 1 and st.tp_objective == 'memory' else ''}, {st.dtype}"
         f"{f', gradients reduced in {st.grad_reduce}' if st.dp > 1 and st.grad_reduce != 'fp32' else ''}"
+        f"{f', HSDP {st.dp_replicate} × {st.dp_shard}' if st.dp_replicate > 1 else ''}"
     )
     table = Table(title="step time", show_edge=False, title_justify="left")
     table.add_column("term")

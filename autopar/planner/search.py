@@ -180,9 +180,11 @@ def outer_strategies(
                         dtype=request.dtype,
                         tp_objective=c.tp_objective or "time",
                         grad_reduce=reduce,
+                        dp_replicate=replicas,
                         policies=policies,
                     )
                     for reduce in _grad_reduces(request, tp=tp, pp=pp, dp=dp, zero=zero)
+                    for replicas in _replicas(request, tp=tp, dp=dp, zero=zero)
                 )
     return measured_first(request.cluster, out)
 
@@ -200,6 +202,22 @@ def _grad_reduces(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int)
         return ["fp32"]
     ddp = tp == 1 and pp == 1 and zero <= 1  # Strategy.uses_ddp
     return ["fp32", "bf16"] if ddp else ["bf16"]
+
+
+def _replicas(request: PlanRequest, *, tp: int, dp: int, zero: int) -> list[int]:
+    """HSDP replica counts worth pricing (``Strategy.dp_replicate``): the constraint's; 1 below
+    ZeRO-2 or where the DP axis fits in a node; else also shard groups of one node's and two
+    nodes' DP ranks (k = gpus_per_node / tp and twice that, at least 2 and fewer than dp).
+    HSDP is lossless: it trades the states one group shards for collectives inside it."""
+    c = request.constraints
+    if c.dp_replicate is not None:
+        r = c.dp_replicate
+        return [r] if r == 1 or (zero >= 2 and dp % r == 0 and dp // r >= 2) else []
+    gpn = request.cluster.gpus_per_node
+    if zero < 2 or dp * tp <= gpn:
+        return [1]
+    groups = [k for k in (gpn // tp, 2 * gpn // tp) if gpn % tp == 0 and 2 <= k < dp and dp % k == 0]
+    return [1, *(dp // k for k in groups)]
 
 
 def measured_first(cluster: Cluster, strategies: list[Strategy]) -> list[Strategy]:

@@ -21,13 +21,28 @@ from autopar.plan import Plan
 from autopar.runtime.distributed import device_type, local_device
 from autopar.runtime.steps import Stages
 
+HSDP_DIMS = ("dp_replicate", "dp_shard")
+"""The two mesh dims of an HSDP plan's data-parallel axis (torchtitan's names)."""
+
 
 def make_mesh(plan: Plan) -> Any:
-    """The (pp, dp, tp) device mesh of the plan's degrees."""
+    """The (pp, dp, tp) device mesh of the plan's degrees; under HSDP dp is (dp_replicate,
+    dp_shard), flattened back into "dp" for what runs over the whole axis (data, loss)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     st = plan.strategy
-    return init_device_mesh(device_type(), (st.pp, st.dp, st.tp), mesh_dim_names=("pp", "dp", "tp"))
+    if st.dp_replicate == 1:
+        return init_device_mesh(device_type(), (st.pp, st.dp, st.tp), mesh_dim_names=("pp", "dp", "tp"))
+    shape = (st.pp, st.dp_replicate, st.dp_shard, st.tp)
+    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("pp", *HSDP_DIMS, "tp"))
+    mesh[HSDP_DIMS]._flatten("dp")
+    return mesh
+
+
+def fsdp_mesh(plan: Plan, mesh: Any) -> Any:
+    """The mesh FSDP2 shards over: the DP axis, or its (replicate, shard) dims under HSDP (a 2-D
+    mesh is FSDP2's hybrid sharding: shard on the second dim, replicate on the first)."""
+    return mesh[HSDP_DIMS] if plan.strategy.dp_replicate > 1 else mesh["dp"]
 
 
 def compute_dtype(model: nn.Module, plan: Plan) -> torch.dtype | None:
@@ -112,7 +127,7 @@ def apply_data_parallel(stages: Stages, plan: Plan, mesh: Any, half: torch.dtype
         stages.modules[0] = ddp
         return False
     for stage in stages.modules.values():
-        shard_over_dp(stage, plan, mesh["dp"], half)
+        shard_over_dp(stage, plan, fsdp_mesh(plan, mesh), half)
     return True
 
 
@@ -183,6 +198,7 @@ __all__ = [
     "apply_optimizer",
     "compute_dtype",
     "dp_placement",
+    "fsdp_mesh",
     "fsdp_policy",
     "loss_scaler",
     "make_mesh",

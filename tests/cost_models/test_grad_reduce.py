@@ -6,25 +6,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from autopar import Cluster
 from autopar.cost_models.compute import DDP_COMPRESS_BYTES_PER_PARAM
 from autopar.cost_models.estimate import estimate
 from autopar.cost_models.terms import build_terms
-from autopar.planner import ModelProfiles
 from autopar.strategy import Strategy, StrategyError
-from autopar.zoo import GPT, GPTConfig
 
-SEQ = 128
-
-
-@pytest.fixture(scope="module")
-def profile():
-    cfg = GPTConfig(n_layer=4, n_embd=256, n_head=4, vocab_size=4096, block_size=SEQ)
-    with torch.device("meta"):
-        model = GPT(cfg).to(torch.bfloat16)
-    return ModelProfiles.of(model, dtype="bf16", seq=SEQ).at(1)
+SEQ = 128  # the seq of the conftest small_gpt_profile
 
 
 def test_validation_lossiness_and_json() -> None:
@@ -40,16 +29,19 @@ def test_validation_lossiness_and_json() -> None:
 
 
 @pytest.mark.parametrize("zero", [0, 2])
-def test_bf16_reduction_halves_the_exposed_gradient_bytes(profile, zero: int) -> None:
+def test_bf16_reduction_halves_the_exposed_gradient_bytes(small_gpt_profile, zero: int) -> None:
     """Two nodes of one GPU on 25 GbE: the gradient collective is exposed, and its bandwidth
     term (σ · params · bytes; all-reduce under DDP at ZeRO-0, m reduce-scatters at ZeRO-2 without
     a pipeline) loses exactly σ · params · 2 bytes per collective in bf16. DDP also pays its
     hook's casts: 16 bytes per parameter at HBM bandwidth, in the optimizer term."""
     cluster = Cluster.preset("a100-pcie-25gbe", nodes=2, gpus_per_node=1)
     st = Strategy(dp=2, zero=zero, global_batch=4, micro_batch=1, seq=SEQ)
-    fp32, bf16 = estimate(profile, cluster, st), estimate(profile, cluster, replace(st, grad_reduce="bf16"))
-    terms = build_terms(profile, cluster, st)
-    params = profile.total_params
+    fp32, bf16 = (
+        estimate(small_gpt_profile, cluster, st),
+        estimate(small_gpt_profile, cluster, replace(st, grad_reduce="bf16")),
+    )
+    terms = build_terms(small_gpt_profile, cluster, st)
+    params = small_gpt_profile.total_params
     per_byte, collectives = (terms.ar_s_per_byte, 1) if zero == 0 else (terms.rs_s_per_byte, st.micro_batches)
     saved = fp32.breakdown_s["dp_comm"] - bf16.breakdown_s["dp_comm"]
     assert saved == pytest.approx(collectives * per_byte * params * (4 - 2), rel=1e-9)
@@ -62,7 +54,7 @@ def test_bf16_reduction_halves_the_exposed_gradient_bytes(profile, zero: int) ->
     assert [m.peak_bytes for m in bf16.memory] == [m.peak_bytes for m in fp32.memory]
 
 
-def test_a_measured_bf16_reduction_prices_bf16_gradients(profile) -> None:
+def test_a_measured_bf16_reduction_prices_bf16_gradients(small_gpt_profile) -> None:
     """With a comm profile, a bf16 gradient reduction takes the ``_bf16`` fit (gloo adds bf16
     in software: slower per byte), and the fp32 fit where bf16 was not measured."""
     from autopar.measurements import CollectiveFit, CommProfile
@@ -90,11 +82,11 @@ def test_a_measured_bf16_reduction_prices_bf16_gradients(profile) -> None:
     )
     cluster = Cluster.preset("cpu").from_profile(comm=measured)
     st = Strategy(dp=2, global_batch=2, seq=SEQ, dtype="fp32", grad_reduce="bf16")
-    assert build_terms(profile, cluster, st).ar_s_per_byte == 1e-9  # fp32's fit: the same bytes
+    assert build_terms(small_gpt_profile, cluster, st).ar_s_per_byte == 1e-9  # fp32's fit: the same bytes
     with_bf16 = replace(measured, fits=(*fits, fit("all_reduce_bf16", 3e-9)))
-    terms = build_terms(profile, Cluster.preset("cpu").from_profile(comm=with_bf16), st)
+    terms = build_terms(small_gpt_profile, Cluster.preset("cpu").from_profile(comm=with_bf16), st)
     assert terms.ar_s_per_byte == 3e-9 and terms.rs_s_per_byte == 5e-10
     fp32_terms = build_terms(
-        profile, Cluster.preset("cpu").from_profile(comm=with_bf16), replace(st, grad_reduce="fp32")
+        small_gpt_profile, Cluster.preset("cpu").from_profile(comm=with_bf16), replace(st, grad_reduce="fp32")
     )
     assert fp32_terms.ar_s_per_byte == 1e-9

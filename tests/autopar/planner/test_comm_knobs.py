@@ -14,12 +14,14 @@ from autopar.planner import ModelProfiles, make_plan
 from autopar.planner.search import outer_strategies
 
 
-def _request(dtype: str, *, lossy: bool = False, preset: str = "dgx-h100", nodes: int = 2) -> PlanRequest:
+def _request(
+    dtype: str, *, lossy: bool = False, preset: str = "dgx-h100", nodes: int = 2, seq: int = 2048
+) -> PlanRequest:
     return PlanRequest(
         model="llama3-8b",
         cluster=Cluster.preset(preset, nodes=nodes),
         global_batch=64,
-        seq=2048,
+        seq=seq,
         dtype=dtype,
         constraints=Constraints(allow_lossy_comm=lossy),
     )
@@ -81,3 +83,30 @@ def test_cli_refuses_a_lossy_reduction_without_the_flag(capsys) -> None:
     assert main([*argv, "--grad-reduce", "bf16", "--allow-lossy-comm", "--dp", "8"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # as printed, wrapped at the terminal's width
     assert "gradients reduced in bf16 (lossy, allowed by --allow-lossy-comm)" in out
+
+
+def test_the_hsdp_groups_the_search_prices() -> None:
+    """HSDP only at ZeRO-2/3 where the DP axis leaves the node, with shard groups of one or two
+    nodes' DP ranks; a fixed replica count where it divides dp, leaving groups of 2 or more."""
+    strategies = outer_strategies(_request("bf16", nodes=4), blocks=32, heads=32)
+    for st in strategies:
+        if st.dp_replicate > 1:
+            assert st.zero >= 2 and st.dp_shard * st.tp in (8, 16) and st.dp * st.tp > 8, st
+    assert {st.dp_replicate for st in strategies if st.tp == 1 and st.pp == 1 and st.zero == 3} == {1, 2, 4}
+    fixed = replace(_request("bf16", nodes=4), constraints=Constraints(dp_replicate=4, zero=3))
+    assert {(st.dp_replicate, st.dp % 4) for st in outer_strategies(fixed, blocks=32, heads=32)} == {(4, 0)}
+
+
+def test_ethernet_fp32_gets_hsdp_and_it_is_faster() -> None:
+    """Llama-3 8B in fp32 at seq 4096 on 4 nodes of 8 A100-PCIe on 25 GbE, no lossy knob allowed
+    (at seq 2048 a pipeline inside each node wins without it): ZeRO sharded
+    within each node and replicated across nodes (HSDP), predicted faster than the same plan
+    sharded over every DP rank; the plan says so."""
+    request = _request("fp32", preset="a100-pcie-25gbe", nodes=4, seq=4096)
+    profiles = ModelProfiles.of("llama3-8b", dtype="fp32", seq=4096)
+    result = make_plan(request, profiles)
+    st = result.plan.strategy
+    assert st.dp_replicate > 1 and st.dp_shard * st.tp == 8 and st.grad_reduce == "fp32", st
+    flat = estimate(profiles.at(st.micro_batch), request.cluster, replace(st, dp_replicate=1))
+    assert result.plan.predicted["step_time_s"] < flat.step_time_s
+    assert f"HSDP: {st.dp_replicate} replicas of {st.dp_shard}-rank shard groups" in result.plan.text()
