@@ -246,7 +246,11 @@ class Plan:
 
 
 def _reduce_note(st: Strategy) -> str:
-    """The gradient reduction's dtype where it is not fp32, and whether it loses precision."""
+    """The gradient reduction's dtype where it is not fp32, or its PowerSGD compression, and
+    whether it loses precision."""
+    if st.powersgd_rank:
+        rank = st.powersgd_rank
+        return f"; gradients compressed by PowerSGD at rank {rank} (lossy, allowed by --allow-lossy-comm)"
     if st.dp == 1 or st.grad_reduce == "fp32":
         return ""
     why = "lossy, allowed by --allow-lossy-comm" if st.lossy_comm else f"the precision of a {st.dtype} plan"

@@ -51,7 +51,10 @@ class Constraints:
     picks, bf16 only where it loses nothing the plan keeps or ``allow_lossy_comm``)."""
     allow_lossy_comm: bool = False
     """Let the planner pick communication knobs that drop precision the plan's dtype keeps
-    (``Strategy.lossy_comm``: bf16 gradient reduction of an fp32 or fp16 plan)."""
+    (``Strategy.lossy_comm``: bf16 gradient reduction of an fp32 or fp16 plan, PowerSGD)."""
+    powersgd_rank: int | None = None
+    """Fix PowerSGD's rank (``Strategy.powersgd_rank``; 0: off). None: the planner prices
+    rank 4 on DDP plans whose DP axis leaves the node, only with ``allow_lossy_comm``."""
     dp_replicate: int | None = None
     """Fix HSDP's replica count (``Strategy.dp_replicate``; 1: no HSDP). None: the planner
     prices flat ZeRO-2/3 and shard groups of one and two nodes' data-parallel ranks."""
@@ -69,6 +72,9 @@ class Constraints:
             raise AutoparError(
                 f"grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}"
             )
+        k = self.powersgd_rank
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise AutoparError(f"powersgd_rank must be a non-negative integer, got {k!r}")
         r = self.dp_replicate
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
             raise AutoparError(f"dp_replicate must be a positive integer, got {r!r}")
@@ -127,6 +133,11 @@ class PlanRequest:
             raise AutoparError(
                 f"a {c.grad_reduce} gradient reduction of a {self.dtype} plan drops precision the plan "
                 "keeps; pass --allow-lossy-comm (allow_lossy_comm=True) to allow it, or reduce in fp32"
+            )
+        if c.powersgd_rank and not c.allow_lossy_comm:
+            raise AutoparError(
+                f"PowerSGD (rank {c.powersgd_rank}) approximates every gradient; pass --allow-lossy-comm "
+                "(allow_lossy_comm=True) to allow it, or --powersgd-rank 0"
             )
 
     @property

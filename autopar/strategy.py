@@ -132,6 +132,12 @@ class Strategy:
     (half the bytes on the wire: DDP's ``bf16_compress_hook``, FSDP2's ``reduce_dtype``). On a
     bf16 plan each rank's gradient is rounded to the precision it was computed in; on an fp32
     or fp16 plan bf16 drops mantissa bits the plan keeps (``lossy_comm``)."""
+    powersgd_rank: int = 0
+    """PowerSGD gradient compression at this rank (Vogels et al. 2019), through DDP's
+    ``powerSGD_hook``: each gradient matrix (n × m) is all-reduced as two rank-r factors,
+    r·(n + m) numbers instead of n·m, with error feedback (what compression dropped is added to
+    the next step's gradient); vectors are all-reduced whole. 0: off. DDP plans only (tp = pp =
+    1, ZeRO 0–1, fp32 reduction); always lossy (``lossy_comm``)."""
     dp_replicate: int = 1
     """Hybrid sharding (HSDP): the data-parallel axis as ``dp_replicate`` groups of
     ``dp_shard`` = dp / dp_replicate consecutive ranks; ZeRO shards the model states within a
@@ -197,6 +203,17 @@ class Strategy:
             )
         if self.sequence_parallel and self.tp == 1:
             raise StrategyError("sequence parallel needs tp > 1")
+        if (
+            not isinstance(self.powersgd_rank, int)
+            or isinstance(self.powersgd_rank, bool)
+            or self.powersgd_rank < 0
+        ):
+            raise StrategyError(f"powersgd_rank must be a non-negative integer, got {self.powersgd_rank!r}")
+        if self.powersgd_rank and not (self.uses_ddp and self.grad_reduce == "fp32"):
+            raise StrategyError(
+                f"PowerSGD (rank {self.powersgd_rank}) compresses DDP's fp32 gradient all-reduce: it "
+                "needs dp > 1, tp = pp = 1, ZeRO 0 or 1 and --grad-reduce fp32"
+            )
         if self.dp_replicate > 1 and (self.zero < 2 or self.dp % self.dp_replicate or self.dp_shard < 2):
             raise StrategyError(
                 f"dp_replicate {self.dp_replicate} (HSDP) needs ZeRO-2 or 3 (got {self.zero}) and shard "
@@ -244,8 +261,9 @@ class Strategy:
     @property
     def lossy_comm(self) -> bool:
         """Whether a communication knob drops precision the plan's dtype keeps: a gradient
-        reduction in bf16 of an fp32 or fp16 plan (fp16 has 3 more mantissa bits than bf16)."""
-        return self.grad_reduce != "fp32" and self.grad_reduce != self.dtype
+        reduction in bf16 of an fp32 or fp16 plan (fp16 has 3 more mantissa bits than bf16), or
+        PowerSGD (a low-rank approximation of every gradient matrix)."""
+        return (self.grad_reduce != "fp32" and self.grad_reduce != self.dtype) or self.powersgd_rank > 0
 
     @property
     def uses_ddp(self) -> bool:

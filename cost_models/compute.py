@@ -66,23 +66,6 @@ def weight_grad_s(params: float, *, tokens: int, device: DeviceSpec, dtype: str,
     return min(2 * tokens * params / device.achievable_flops(dtype), backward_s / 2)
 
 
-DDP_COMPRESS_BYTES_PER_PARAM = 16
-"""HBM bytes per gradient element of DDP's ``bf16_compress_hook`` (torch
-``ddp_comm_hooks/default_hooks.py``): ``buffer.to(bfloat16)`` reads 4 and writes 2,
-``div_(world_size)`` reads and writes 2 each, and the copy back into the fp32 bucket reads 2
-and writes 4: 4 + 2 + 2 + 2 + 2 + 4 = 16."""
-
-
-def grad_compress_s_per_param(cluster: Cluster, st: Strategy) -> float:
-    """Seconds per parameter per step the gradient compression casts take on the compute stream:
-    DDP's bf16 hook at ``DDP_COMPRESS_BYTES_PER_PARAM`` / HBM bandwidth (memory bound, not hidden:
-    the hook runs in backward's stream). 0 without it, and under FSDP2, whose ``reduce_dtype``
-    cast replaces the fp32 upcast it makes otherwise (bf16 parameters)."""
-    if not (st.uses_ddp and st.grad_reduce == "bf16"):
-        return 0.0
-    return DDP_COMPRESS_BYTES_PER_PARAM / cluster.device.hbm_bandwidth_bytes_per_s
-
-
 def optimizer_s_per_param(cluster: Cluster, st: Strategy) -> float:
     """Optimizer seconds per parameter a GPU updates: measured where the cluster has a compute
     profile for this dtype (on DTensor parameters when the runtime makes them DTensors: under

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from autopar.cost_models.compression import POWERSGD_STATE_BYTES_PER_PARAM
 from autopar.cost_models.profile import LayerCost
 from autopar.strategy import Strategy
 
@@ -83,12 +84,15 @@ def rank_state_bytes(params: float, st: Strategy) -> dict[str, float]:
     gradient sync and reshard-after-backward off (``_PipelineStageBase.backward_maybe_with_nosync``),
     so each GPU accumulates its stage's gradients unsharded, upcast to the fp32 reduce dtype
     (``FSDPParam.to_accumulated_grad_if_needed``: 4 B each), and keeps the gathered weights
-    (w B each) from its first backward to the end of the step.
+    (w B each) from its first backward to the end of the step. PowerSGD adds its error feedback
+    to the gradients' bytes.
     """
     states = model_state_bytes(params, zero=st.zero, dp=st.dp_shard, dtype=st.dtype)  # HSDP: ÷ its group
     if st.pp > 1 and st.zero >= 2 and st.dp > 1:
         states["weights"] = params * STATE_BYTES[st.dtype][0]
         states["gradients"] = params * PIPELINE_GRAD_BYTES
+    if st.powersgd_rank:  # its error-feedback buffer (compression.POWERSGD_STATE_BYTES_PER_PARAM)
+        states["gradients"] += params * POWERSGD_STATE_BYTES_PER_PARAM
     return states
 
 

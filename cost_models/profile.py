@@ -94,6 +94,11 @@ class LayerCost:
     calls: tuple[CallCost, ...] = ()
     """The forward's ATen calls that move bytes or compute, in order (empty for hand-built
     profiles): priced by per-operator recompute policies (``cost_models.recompute``)."""
+    matrix_params: int = 0
+    """Parameters in tensors of two or more dims (the weight matrices): what PowerSGD compresses."""
+    matrix_sides: int = 0
+    """Σ (rows + columns) over those tensors, each viewed as dim 0 × the rest (as torch's
+    ``powerSGD_hook`` views them): PowerSGD at rank r sends r·(rows + columns) numbers for each."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,7 +252,19 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
         tp_reduce_bytes=tp_bytes,
         tp_reduce_count=tp_count,
         calls=_calls(placements),
+        **_matrices(members),
     )
+
+
+def _matrices(members: list[fx.Node]) -> dict[str, int]:
+    """``LayerCost.matrix_params`` and ``matrix_sides`` of a layer's parameters (its get_attr
+    nodes that read parameter bytes)."""
+    shapes = [_shape(n) for n in members if n.op == "get_attr" and n.meta.get("autopar.param_bytes")]
+    matrices = [sh for sh in shapes if len(sh) >= 2]
+    return {
+        "matrix_params": sum(math.prod(sh) for sh in matrices),
+        "matrix_sides": sum(sh[0] + math.prod(sh[1:]) for sh in matrices),
+    }
 
 
 def _placement(shape: tuple[int, ...], flops: int, h: int, row_parallel: bool) -> str:
@@ -368,6 +385,8 @@ def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile
             tp_reduce_bytes=lin(a.tp_reduce_bytes, c.tp_reduce_bytes),
             tp_reduce_count=a.tp_reduce_count,
             calls=_calls_at(a.calls, c.calls, lin),
+            matrix_params=a.matrix_params,
+            matrix_sides=a.matrix_sides,
         )
     return dataclasses.replace(one, micro_batch=b, layer_types=types)
 

@@ -17,8 +17,12 @@ from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models import comm
 from autopar.cost_models import memory as mem
 from autopar.cost_models import recompute as rc
+from autopar.cost_models.compression import (
+    POWERSGD_LATENCY_FACTOR,
+    compress_s_per_param,
+    wire_bytes_per_param,
+)
 from autopar.cost_models.compute import (
-    grad_compress_s_per_param,
     layer_backward_s,
     layer_forward_s,
     optimizer_s_per_param,
@@ -30,7 +34,6 @@ from autopar.errors import AutoparError
 from autopar.measurements import ComputeProfile, LayerTiming
 from autopar.strategy import Strategy, remat
 
-GRAD_REDUCE_BYTES = {"fp32": 4, "bf16": 2}
 """Bytes per gradient element in the DP reduction, by ``Strategy.grad_reduce`` (mixed-precision
 training reduces in fp32 unless the plan says bf16)."""
 CUDA_CONTEXT_BYTES = 2**30
@@ -103,7 +106,8 @@ class Terms:
     state_bytes_per_param: float
     """Weights + gradients + optimizer bytes per parameter on a GPU after ZeRO sharding."""
     weight_bytes: int
-    grad_bytes: int
+    grad_bytes: float
+    """Bytes per parameter the DP reductions send (``compression.wire_bytes_per_param``)."""
     lat_s: float
     """Latency of one all-gather over the DP group (ring: (dp−1)·α)."""
     s_per_byte: float
@@ -123,7 +127,7 @@ class Terms:
     (min(25 MiB, the rank's gradients): all of them for a small model)."""
     opt_s_per_param: float
     """Optimizer seconds per parameter on a GPU (÷ dp under ZeRO ≥ 1), plus the gradient
-    compression casts (``compute.grad_compress_s_per_param``): both once per step, per parameter."""
+    compression kernels (``compression.compress_s_per_param``): both once per step, per parameter."""
     loss_bytes: float
     """The loss's fp32 buffers on the last rank (``memory.loss_bytes``)."""
     buffers: tuple[float, ...]
@@ -367,6 +371,8 @@ def build_terms(
     pp_link = comm.group_link(cluster, size=p, stride=t * st.dp)
     dp_link = comm.group_link(cluster, size=st.dp, stride=t)
     (lat, s_per_byte), (rs_lat, rs_s_per_byte), (ar_lat, ar_s_per_byte) = _dp_coefficients(cluster, st)
+    ar_lat *= POWERSGD_LATENCY_FACTOR if st.powersgd_rank else 1  # a chain of 3 all-reduces per bucket
+    wire = wire_bytes_per_param(profile, st)
     layers = (blocks["none"], embed, head)
     return Terms(
         strategy=st,
@@ -382,7 +388,7 @@ def build_terms(
         bubble_rounds=_bubble_rounds(st, blocks["none"]),
         state_bytes_per_param=mem.state_bytes_per_param(st),
         weight_bytes=mem.STATE_BYTES[st.dtype][0],
-        grad_bytes=GRAD_REDUCE_BYTES[st.grad_reduce],
+        grad_bytes=wire,
         lat_s=lat,
         s_per_byte=s_per_byte,
         rs_lat_s=rs_lat,
@@ -390,9 +396,9 @@ def build_terms(
         ar_lat_s=ar_lat,
         ar_s_per_byte=ar_s_per_byte,
         overlap=cluster.comm_profile.overlap if cluster.comm_profile is not None else 1.0,
-        last_bucket_s=_last_bucket_s(profile, st, layers, ar_lat, ar_s_per_byte),
+        last_bucket_s=_last_bucket_s(profile, st, layers, ar_lat, ar_s_per_byte * wire),
         opt_s_per_param=optimizer_s_per_param(cluster, st) / (st.dp_shard if st.zero >= 1 else 1)
-        + grad_compress_s_per_param(cluster, st),
+        + compress_s_per_param(cluster, st),
         loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq, vocab=profile.vocab, tp=t),
         buffers=mem.comm_buffer_bytes(
             st,
@@ -407,15 +413,16 @@ def build_terms(
 
 
 def _last_bucket_s(
-    profile: ModelProfile, st: Strategy, layers: tuple[Unit, Unit, Unit], ar_lat: float, ar_s_per_byte: float
+    profile: ModelProfile, st: Strategy, layers: tuple[Unit, Unit, Unit], ar_lat: float, ar_s_per_param: float
 ) -> float:
-    """The all-reduce of DDP's last gradient bucket, min(25 MiB, the rank's gradients) (0 at dp 1).
+    """The all-reduce of DDP's last gradient bucket, min(25 MiB of fp32 gradients, the rank's)
+    (0 at dp 1), at ``ar_s_per_param`` per parameter (what compression leaves on the wire).
 
     ``layers``: a block's (no recompute), the embedding's and the head's units."""
     block, embed, head = layers
     total_params = profile.blocks * block.params + embed.params + head.params
-    grads_per_rank = total_params / st.pp * GRAD_REDUCE_BYTES[st.grad_reduce]
-    return ar_lat + ar_s_per_byte * min(mem.DDP_BUCKET_BYTES, grads_per_rank) if st.dp > 1 else 0.0
+    params = min(mem.DDP_BUCKET_BYTES / 4, total_params / st.pp)  # DDP buckets hold fp32 gradients
+    return ar_lat + ar_s_per_param * params if st.dp > 1 else 0.0
 
 
 def _default_reserve_bytes(device: DeviceSpec) -> float:

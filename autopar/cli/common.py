@@ -23,12 +23,22 @@ DTYPES = ["bf16", "fp16", "fp32"]
 
 def positive(text: str) -> int:
     """argparse type: a positive integer."""
+    return _integer(text, least=1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a non-negative integer (0: off)."""
+    return _integer(text, least=0)
+
+
+def _integer(text: str, *, least: int) -> int:
+    kind = "positive" if least == 1 else "non-negative"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {value}")
     return value
 
 
@@ -86,6 +96,7 @@ def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
         "ZeRO-sharded within each (1: no HSDP; default: the planner picks)",
     )
     add_grad_reduce_flag(g, "fix the dtype gradients are reduced in (default: the planner picks)")
+    add_powersgd_flag(g, "fix PowerSGD's rank (0: off; default: the planner picks, with --allow-lossy-comm)")
     g.add_argument(
         "--allow-lossy-comm",
         action="store_true",
@@ -103,6 +114,11 @@ def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
 def add_grad_reduce_flag(g: Any, help_text: str, default: str | None = None) -> None:
     """--grad-reduce: the dtype of the data-parallel gradient reduction."""
     g.add_argument("--grad-reduce", choices=GRAD_REDUCE, default=default, help=help_text)
+
+
+def add_powersgd_flag(g: Any, help_text: str, default: int | None = None) -> None:
+    """--powersgd-rank: DDP's PowerSGD gradient compression (lossy)."""
+    g.add_argument("--powersgd-rank", type=non_negative_int, default=default, help=help_text)
 
 
 def add_measured_flags(p: argparse.ArgumentParser) -> None:
@@ -132,6 +148,7 @@ def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Constraints
         recompute=allowed,
         grad_reduce=args.grad_reduce,
         dp_replicate=args.dp_replicate,
+        powersgd_rank=args.powersgd_rank,
         allow_lossy_comm=args.allow_lossy_comm,
         **extra,
     )

@@ -17,6 +17,7 @@ from autopar.cli.common import (
     add_grad_reduce_flag,
     add_json_flag,
     add_measured_flags,
+    add_powersgd_flag,
     count,
     non_negative_float,
     positive,
@@ -80,6 +81,7 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     add_grad_reduce_flag(p, "dtype the data-parallel gradients are reduced in (default fp32)", "fp32")
+    add_powersgd_flag(p, "PowerSGD's rank on a DDP plan (default 0: off; lossy)", 0)
     p.add_argument(
         "--dp-replicate",
         type=positive,
@@ -184,6 +186,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         dtype=args.dtype,
         grad_reduce=args.grad_reduce,
         dp_replicate=args.dp_replicate,
+        powersgd_rank=args.powersgd_rank,
     )
     if strategy.world_size != cluster.world_size:  # before the capture: say it at once
         check_strategy(strategy, world_size=cluster.world_size, blocks=10**9, heads=None)
@@ -217,6 +220,7 @@ def _print_estimate(console: Console, model: str, cluster: Any, st: Any, est: An
         f"{', leanest TP layout' if st.tp > 1 and st.tp_objective == 'memory' else ''}, {st.dtype}"
         f"{f', gradients reduced in {st.grad_reduce}' if st.dp > 1 and st.grad_reduce != 'fp32' else ''}"
         f"{f', HSDP {st.dp_replicate} × {st.dp_shard}' if st.dp_replicate > 1 else ''}"
+        f"{f', PowerSGD rank {st.powersgd_rank}' if st.powersgd_rank else ''}"
     )
     table = Table(title="step time", show_edge=False, title_justify="left")
     table.add_column("term")

@@ -17,6 +17,7 @@ from autopar.cli.common import (
     read_plan,
     spinner,
 )
+from autopar.errors import AutoparError
 
 
 def add_parser(sub: Any) -> None:
@@ -71,6 +72,12 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
             constraints=constraints_from_args(args),
         )
         plan = make_plan(request, profiles).plan
+    if plan.strategy.powersgd_rank:
+        raise AutoparError(
+            f"verify checks equality with one process, which a PowerSGD plan (rank "
+            f"{plan.strategy.powersgd_rank}: every gradient matrix approximated) does not have; verify "
+            "the plan with --powersgd-rank 0 and judge PowerSGD by its loss curve"
+        )
     if args.loss:
         resolve_loss(args.loss)  # a bad --loss is a user error here, not in every worker
     with spinner(args, f"running {plan.strategy.world_size} processes and the single-process reference …"):

@@ -181,10 +181,12 @@ def outer_strategies(
                         tp_objective=c.tp_objective or "time",
                         grad_reduce=reduce,
                         dp_replicate=replicas,
+                        powersgd_rank=rank,
                         policies=policies,
                     )
                     for reduce in _grad_reduces(request, tp=tp, pp=pp, dp=dp, zero=zero)
                     for replicas in _replicas(request, tp=tp, dp=dp, zero=zero)
+                    for rank in _powersgd_ranks(request, tp=tp, pp=pp, dp=dp, zero=zero, reduce=reduce)
                 )
     return measured_first(request.cluster, out)
 
@@ -194,7 +196,7 @@ def _grad_reduces(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int)
     reduced) or where bf16 would be lossy and not allowed (``Strategy.lossy_comm``); else bf16
     alone — half the bytes, the same compute and memory under FSDP2, so never slower — but both
     on DDP, whose compression hook casts each bucket on the compute stream
-    (``compute.grad_compress_s_per_param``), a cost a fully hidden all-reduce does not repay."""
+    (``compression.compress_s_per_param``), a cost a fully hidden all-reduce does not repay."""
     c = request.constraints
     if c.grad_reduce is not None:
         return [c.grad_reduce]
@@ -218,6 +220,22 @@ def _replicas(request: PlanRequest, *, tp: int, dp: int, zero: int) -> list[int]
         return [1]
     groups = [k for k in (gpn // tp, 2 * gpn // tp) if gpn % tp == 0 and 2 <= k < dp and dp % k == 0]
     return [1, *(dp // k for k in groups)]
+
+
+POWERSGD_RANK = 4
+"""The PowerSGD rank a free search prices (Vogels et al. 2019 train ResNet-18 and an LSTM at
+rank 1–4 to uncompressed accuracy; torch's docs suggest starting at 1–4)."""
+
+
+def _powersgd_ranks(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int, reduce: str) -> list[int]:
+    """PowerSGD ranks worth pricing: the constraint's where the plan runs on DDP with fp32
+    reduction (``Strategy.powersgd_rank``); else 0, and ``POWERSGD_RANK`` too where the user
+    allows lossy communication and DDP's all-reduce leaves the node."""
+    c, ddp = request.constraints, tp == 1 and pp == 1 and dp > 1 and zero <= 1 and reduce == "fp32"
+    if c.powersgd_rank is not None:
+        return [c.powersgd_rank] if c.powersgd_rank == 0 or ddp else []
+    crosses = dp * tp > request.cluster.gpus_per_node
+    return [0, POWERSGD_RANK] if c.allow_lossy_comm and ddp and crosses else [0]
 
 
 def measured_first(cluster: Cluster, strategies: list[Strategy]) -> list[Strategy]:

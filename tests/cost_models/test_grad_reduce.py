@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from autopar import Cluster
-from autopar.cost_models.compute import DDP_COMPRESS_BYTES_PER_PARAM
+from autopar.cost_models.compression import DDP_COMPRESS_BYTES_PER_PARAM
 from autopar.cost_models.estimate import estimate
 from autopar.cost_models.terms import build_terms
 from autopar.strategy import Strategy, StrategyError

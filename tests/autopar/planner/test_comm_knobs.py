@@ -110,3 +110,58 @@ def test_ethernet_fp32_gets_hsdp_and_it_is_faster() -> None:
     flat = estimate(profiles.at(st.micro_batch), request.cluster, replace(st, dp_replicate=1))
     assert result.plan.predicted["step_time_s"] < flat.step_time_s
     assert f"HSDP: {st.dp_replicate} replicas of {st.dp_shard}-rank shard groups" in result.plan.text()
+
+
+def _gpt2_request(lossy: bool) -> PlanRequest:
+    return PlanRequest(
+        model="gpt2",
+        cluster=Cluster.preset("a100-pcie-25gbe", nodes=4),
+        global_batch=64,
+        seq=1024,
+        dtype="fp32",
+        constraints=Constraints(allow_lossy_comm=lossy),
+    )
+
+
+def test_powersgd_only_with_consent_on_ddp_across_nodes() -> None:
+    free = outer_strategies(_gpt2_request(False), blocks=12, heads=12)
+    assert {st.powersgd_rank for st in free} == {0}
+    lossy = outer_strategies(_gpt2_request(True), blocks=12, heads=12)
+    compressed = [st for st in lossy if st.powersgd_rank]
+    assert compressed and all(st.uses_ddp and st.grad_reduce == "fp32" and st.dp > 8 for st in compressed)
+
+
+def test_ethernet_gets_powersgd_when_allowed_and_it_is_faster() -> None:
+    """GPT-2 (124M) in fp32 on 4 × 8 A100-PCIe on 25 GbE with --allow-lossy-comm: DDP with PowerSGD
+    at rank 4, predicted faster than the same plan without it; the plan says it is lossy."""
+    request = _gpt2_request(True)
+    profiles = ModelProfiles.of("gpt2", dtype="fp32", seq=1024)
+    result = make_plan(request, profiles)
+    st = result.plan.strategy
+    assert st.powersgd_rank == 4 and st.uses_ddp, st
+    plain = estimate(profiles.at(st.micro_batch), request.cluster, replace(st, powersgd_rank=0))
+    assert result.plan.predicted["step_time_s"] < plain.step_time_s
+    assert "PowerSGD at rank 4 (lossy, allowed by --allow-lossy-comm)" in result.plan.text()
+
+
+def test_cli_powersgd_needs_the_flag_and_verify_refuses_it(capsys) -> None:
+    argv = ["plan", "gpt2", "--cluster", "a100-pcie-25gbe", "--nodes", "4", "--global-batch", "64"]
+    assert main([*argv, "--dtype", "fp32", "--powersgd-rank", "4"]) == 2
+    assert "--allow-lossy-comm" in capsys.readouterr().err
+    verify = [
+        "verify",
+        "gpt2",
+        "--nproc",
+        "2",
+        "--dp",
+        "2",
+        "--zero",
+        "0",
+        "--global-batch",
+        "4",
+        "--seq",
+        "64",
+    ]
+    assert main([*verify, "--powersgd-rank", "4", "--allow-lossy-comm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--powersgd-rank 0" in err
