@@ -41,7 +41,9 @@ def timed(name: str, model, cluster: Cluster, batch: int, seq: int, runs: int = 
         f"(capture {capture_s:.1f} s, cached); {result.ilps_solved} ILPs / {result.outer_candidates} outer "
         f"choices, proven gap {100 * result.plan.optimality_gap:.2f}%; chosen tp {st.tp} "
         f"pp {st.pp} dp {st.dp} ZeRO-{st.zero} b {st.micro_batch} {st.schedule}"
-        f"{f' v={st.virtual_stages}' if st.virtual_stages > 1 else ''}: {pred['step_time_s']:.2f} s/step, "
+        f"{f' v={st.virtual_stages}' if st.virtual_stages > 1 else ''}"
+        f"{f' HSDP {st.dp_replicate}×{st.dp_shard}' if st.dp_replicate > 1 else ''}"
+        f", {st.grad_reduce} reduce: {pred['step_time_s']:.2f} s/step, "
         f"{pred['tflops_per_gpu']:.0f} TFLOP/s/GPU"
     )
     return med

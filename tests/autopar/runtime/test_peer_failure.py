@@ -21,7 +21,19 @@ def _gpt() -> torch.nn.Module:
     return GPT(GPTConfig(n_layer=1, n_embd=32, n_head=4, vocab_size=64, block_size=16))
 
 
-def worker(rank: int, init: str, how: str, out: str) -> None:
+def _plan_json() -> str:
+    """DP2 for ``_gpt``, planned here: planning inside the workers would spend the short
+    timeout of the group on one rank planning while the other waits for its plan."""
+    import autopar
+
+    cluster = autopar.Cluster.preset("cpu", gpus_per_node=2)
+    cons = autopar.Constraints(tp=1, pp=1, dp=2, micro_batch=2, recompute=("none",))
+    with torch.device("meta"):
+        meta = _gpt()
+    return autopar.plan(meta, cluster, global_batch=4, seq_len=16, constraints=cons).to_json()
+
+
+def worker(rank: int, init: str, how: str, out: str, plan_json: str) -> None:
     """Rank 1 dies (``how="dies"``) or stops (SIGSTOP) after step 1; rank 0 writes what its next
     step raised and how long it took to raise it."""
     import torch.distributed as dist
@@ -32,9 +44,7 @@ def worker(rank: int, init: str, how: str, out: str) -> None:
         "gloo", init_method=init, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=TIMEOUT_S)
     )
     torch.set_num_threads(1)
-    cluster = autopar.Cluster.preset("cpu", gpus_per_node=2)
-    cons = autopar.Constraints(tp=1, pp=1, dp=2, micro_batch=2, recompute=("none",))
-    pm = autopar.parallelize(_gpt(), cluster, global_batch=4, seq=16, constraints=cons)
+    pm = autopar.parallelize(_gpt(), autopar.Plan.from_json(plan_json))
     batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
     for step in range(3):
         if step == 2 and rank == 1:
@@ -49,9 +59,11 @@ def worker(rank: int, init: str, how: str, out: str) -> None:
 
 
 def test_a_dead_or_stopped_peer_is_an_error_within_the_timeout(tmp_path) -> None:
+    plan_json = _plan_json()
     for how in ("dies", "stops"):
         out = tmp_path / f"{how}.txt"
-        ctx = mp.spawn(worker, args=(f"file://{tmp_path}/init-{how}", how, str(out)), nprocs=2, join=False)
+        args = (f"file://{tmp_path}/init-{how}", how, str(out), plan_json)
+        ctx = mp.spawn(worker, args=args, nprocs=2, join=False)
         survivor, peer = ctx.processes
         survivor.join(timeout=120)
         assert survivor.exitcode == 3, (how, survivor.exitcode)
