@@ -269,7 +269,7 @@ class Strategy:
     def uses_ddp(self) -> bool:
         """Whether the data-parallel axis runs on DDP (the model as written, tp = pp = 1, at
         ZeRO 0–1, dp > 1; every other data-parallel plan runs on FSDP2)."""
-        return self.dp > 1 and self.tp == 1 and self.pp == 1 and self.zero <= 1
+        return runs_on_ddp(tp=self.tp, pp=self.pp, dp=self.dp, zero=self.zero)
 
     @property
     def dp_shard(self) -> int:
@@ -406,6 +406,11 @@ def check_strategy(
     _check_schedule(s)
     if seq_limit is not None and s.seq > seq_limit:
         raise StrategyError(f"seq {s.seq} exceeds the model's maximum {seq_limit}")
+
+
+def runs_on_ddp(*, tp: int, pp: int, dp: int, zero: int) -> bool:
+    """Whether these degrees run the data-parallel axis on DDP (``Strategy.uses_ddp``)."""
+    return dp > 1 and tp == 1 and pp == 1 and zero <= 1
 
 
 def runs_with_zero(schedule: str, zero: int) -> bool:

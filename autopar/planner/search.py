@@ -41,7 +41,7 @@ from autopar.planner.layout_ilp import fits_somehow, solve_layout
 from autopar.planner.pricing import Pricer
 from autopar.planner.recompute_ilp import recompute_choices
 from autopar.request import Constraints, PlanRequest
-from autopar.strategy import RECOMPUTE, V_SHAPE, RecomputePolicy, Strategy, remat, runs_with_zero
+from autopar.strategy import RECOMPUTE, V_SHAPE, RecomputePolicy, Strategy, remat, runs_on_ddp, runs_with_zero
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,8 +202,7 @@ def _grad_reduces(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int)
         return [c.grad_reduce]
     if dp == 1 or not (request.dtype == "bf16" or c.allow_lossy_comm):
         return ["fp32"]
-    ddp = tp == 1 and pp == 1 and zero <= 1  # Strategy.uses_ddp
-    return ["fp32", "bf16"] if ddp else ["bf16"]
+    return ["fp32", "bf16"] if runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero) else ["bf16"]
 
 
 def _replicas(request: PlanRequest, *, tp: int, dp: int, zero: int) -> list[int]:
@@ -231,7 +230,7 @@ def _powersgd_ranks(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: in
     """PowerSGD ranks worth pricing: the constraint's where the plan runs on DDP with fp32
     reduction (``Strategy.powersgd_rank``); else 0, and ``POWERSGD_RANK`` too where the user
     allows lossy communication and DDP's all-reduce leaves the node."""
-    c, ddp = request.constraints, tp == 1 and pp == 1 and dp > 1 and zero <= 1 and reduce == "fp32"
+    c, ddp = request.constraints, runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero) and reduce == "fp32"
     if c.powersgd_rank is not None:
         return [c.powersgd_rank] if c.powersgd_rank == 0 or ddp else []
     crosses = dp * tp > request.cluster.gpus_per_node

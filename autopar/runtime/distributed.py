@@ -158,7 +158,7 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
         )
     check_runnable(plan)
     check_model(model, plan)
-    ddp = st.tp == 1 and st.pp == 1 and st.dp > 1 and st.zero <= 1
+    ddp = st.uses_ddp
     if ddp and any(p.is_meta for p in model.parameters()):
         raise AutoparError(
             f"ZeRO-{st.zero} data parallelism (DDP) needs the model's weights, but its parameters are "
