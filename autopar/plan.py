@@ -234,7 +234,8 @@ class Plan:
                 f"; HSDP: {st.dp_replicate} replicas of {st.dp_shard}-rank shard groups"
                 if st.dp_replicate > 1
                 else ""
-            ),
+            )
+            + (f"; DDP buckets of {st.bucket_mb:g} MiB" if st.uses_ddp else ""),
         ]
         for s in self.stages:
             rc = s.recompute_summary

@@ -4,6 +4,7 @@ CLI or a benchmark) and handed to the planner whole."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -58,6 +59,9 @@ class Constraints:
     dp_replicate: int | None = None
     """Fix HSDP's replica count (``Strategy.dp_replicate``; 1: no HSDP). None: the planner
     prices flat ZeRO-2/3 and shard groups of one and two nodes' data-parallel ranks."""
+    bucket_mb: float | None = None
+    """Fix DDP's gradient bucket cap in MiB on plans that run on DDP (``Strategy.bucket_mb``).
+    None: torch's 25, and 100 and 400 priced too where DDP's all-reduce leaves the node."""
     memory_cap_bytes: float | None = None
     """Plan for at most this much memory per GPU (below the device's)."""
     max_micro_batch: int = 16
@@ -75,6 +79,9 @@ class Constraints:
         k = self.powersgd_rank
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise AutoparError(f"powersgd_rank must be a non-negative integer, got {k!r}")
+        b = self.bucket_mb
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int | float) or not 0 < b < math.inf):
+            raise AutoparError(f"bucket_mb must be a positive number of MiB, got {b!r}")
         r = self.dp_replicate
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
             raise AutoparError(f"dp_replicate must be a positive integer, got {r!r}")

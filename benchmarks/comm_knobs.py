@@ -4,13 +4,14 @@ cost model's predicted ratio.
     python benchmarks/comm_knobs.py [--steps 10] [--keep DIR]
 
 Knobs measured: the gradient reduction's dtype (``--grad-reduce bf16``: DDP's bf16 compression
-hook at ZeRO-0, FSDP2's ``reduce_dtype`` at ZeRO-2) and PowerSGD at rank 4 on DDP. HSDP needs
+hook at ZeRO-0, FSDP2's ``reduce_dtype`` at ZeRO-2), PowerSGD at rank 4 on DDP, and DDP's
+bucket cap (1 MiB: 17 buckets of the model's 16.8 MB of gradients, against one at 25 MiB). HSDP needs
 4 ranks (2 replicas of 2-rank groups), which this 2-core machine cannot time apart from the
 contention, so it is not here. Like ``closed_loop.py`` (whose model and
-steps it shares): profile the model and the gloo collectives on 2 processes, plan DP2 at ZeRO 0
-and 2 with fp32 and with bf16 reduction (fp32 training, so bf16 is lossy here:
-``--allow-lossy-comm``), and DDP with PowerSGD rank 4, run the five plans with ``autopar
-calibrate`` and print measured and predicted step times and each knob's ratio to fp32.
+steps it shares): profile the model and the gloo collectives on 2 processes, plan DP2 with
+each knob (``PLANS``; fp32 training, so bf16 is lossy here: ``--allow-lossy-comm``), run the
+plans with ``autopar calibrate`` and print measured and predicted step times and each knob's
+ratio to the plan without it (``RATIOS``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,28 @@ from closed_loop import GLOBAL_BATCH, SEQ, run
 POWERSGD_WARMUP = 11
 """Untimed steps: past the 10 that DDP all-reduces whole before PowerSGD compresses
 (``runtime.sharding.POWERSGD_START_ITER``)."""
+
+
+PLANS = (
+    ("zero0-fp32", ("--zero", "0", "--grad-reduce", "fp32", "--powersgd-rank", "0", "--bucket-mb", "25")),
+    ("zero0-bf16", ("--zero", "0", "--grad-reduce", "bf16", "--powersgd-rank", "0", "--bucket-mb", "25")),
+    ("zero2-fp32", ("--zero", "2", "--grad-reduce", "fp32")),
+    ("zero2-bf16", ("--zero", "2", "--grad-reduce", "bf16")),
+    (
+        "zero0-powersgd4",
+        ("--zero", "0", "--grad-reduce", "fp32", "--powersgd-rank", "4", "--bucket-mb", "25"),
+    ),
+    ("zero0-bucket1", ("--zero", "0", "--grad-reduce", "fp32", "--powersgd-rank", "0", "--bucket-mb", "1")),
+)
+"""(name, ``autopar plan`` flags) of each plan timed: DP2 on the benchmark GPT in fp32."""
+
+RATIOS = {
+    "ZeRO-0: bf16 / fp32 reduction": ("zero0-fp32", "zero0-bf16"),
+    "ZeRO-2: bf16 / fp32 reduction": ("zero2-fp32", "zero2-bf16"),
+    "ZeRO-0: PowerSGD rank 4 / fp32": ("zero0-fp32", "zero0-powersgd4"),
+    "ZeRO-0: 1 MiB / 25 MiB DDP buckets": ("zero0-fp32", "zero0-bucket1"),
+}
+"""Each knob's ratio: (plan without it, plan with it)."""
 
 
 def main() -> None:
@@ -45,20 +68,13 @@ def main() -> None:
          "--out", profile])  # fmt: skip
     run([*torchrun, "profile-comm", "--max-bytes", "64MiB", "--out", comm])
     plans = []
-    for zero in (0, 2):
-        for reduce in ("fp32", "bf16"):
-            path = os.path.join(work, f"zero{zero}-{reduce}.json")
-            run([*autopar, "plan", spec, "--cluster", "cpu", "--global-batch", str(GLOBAL_BATCH),
-                 "--seq", str(SEQ), "--dtype", "fp32", "--profile", profile, "--comm", comm,
-                 "--dp", "2", "--zero", str(zero), "--micro-batch", "2", "--grad-reduce", reduce,
-                 "--allow-lossy-comm", "--out", path, "--json"])  # fmt: skip
-            plans.append(path)
-    path = os.path.join(work, "zero0-powersgd4.json")  # DDP with PowerSGD at rank 4 (lossy)
-    run([*autopar, "plan", spec, "--cluster", "cpu", "--global-batch", str(GLOBAL_BATCH),
-         "--seq", str(SEQ), "--dtype", "fp32", "--profile", profile, "--comm", comm,
-         "--dp", "2", "--zero", "0", "--micro-batch", "2", "--grad-reduce", "fp32",
-         "--powersgd-rank", "4", "--allow-lossy-comm", "--out", path, "--json"])  # fmt: skip
-    plans.append(path)
+    for name, knobs in PLANS:
+        path = os.path.join(work, f"{name}.json")
+        run([*autopar, "plan", spec, "--cluster", "cpu", "--global-batch", str(GLOBAL_BATCH),
+             "--seq", str(SEQ), "--dtype", "fp32", "--profile", profile, "--comm", comm,
+             "--dp", "2", "--micro-batch", "2", "--allow-lossy-comm", *knobs,
+             "--out", path, "--json"])  # fmt: skip
+        plans.append(path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = run([*torchrun, "calibrate", spec, *(x for p in plans for x in ("--plan", p)),
                "--steps", str(args.steps), "--warmup", str(POWERSGD_WARMUP), "--json"], env=env)  # fmt: skip
@@ -70,20 +86,12 @@ def main() -> None:
             f"{os.path.basename(path)[:-5]:14} {1e3 * r['predicted_s']:>8.1f}ms "
             f"{1e3 * r['measured_s']:>8.1f}ms {100 * r['error']:>+6.1f}%   {dp_ms:.1f} ms"
         )
-    fp32, powersgd = results[0], results[4]
-    print(
-        "ZeRO-0: PowerSGD rank 4 / fp32 step time: "
-        f"measured {powersgd['measured_s'] / fp32['measured_s']:.3f}, "
-        f"predicted {powersgd['predicted_s'] / fp32['predicted_s']:.3f}"
-    )
-    for zero, (fp32, bf16) in zip((0, 2), (results[0:2], results[2:4]), strict=True):
-        measured, predicted = (
-            bf16["measured_s"] / fp32["measured_s"],
-            bf16["predicted_s"] / fp32["predicted_s"],
-        )
+    by_name = dict(zip((name for name, _ in PLANS), results, strict=True))
+    for knob, (base, other) in RATIOS.items():
         print(
-            f"ZeRO-{zero}: bf16 / fp32 reduction step time: "
-            f"measured {measured:.3f}, predicted {predicted:.3f}"
+            f"{knob}: step time ratio "
+            f"measured {by_name[other]['measured_s'] / by_name[base]['measured_s']:.3f}, "
+            f"predicted {by_name[other]['predicted_s'] / by_name[base]['predicted_s']:.3f}"
         )
 
 

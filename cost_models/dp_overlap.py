@@ -3,6 +3,7 @@ estimate, the layout ILP and the timeline share."""
 
 from __future__ import annotations
 
+from autopar.cost_models.buckets import overlap_share
 from autopar.cost_models.terms import RankLoad, Terms
 
 
@@ -14,8 +15,10 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     σ_g = σ_r = (dp−1)/(dp·β), α_a = 2α_g, σ_a = 2σ_g; or measured), G gradient bytes,
     W weight bytes, overlap O = κ·(backward − one block's backward), and fwd, bwd below
     also scaled by κ, the share of compute that hides communication (``Terms.overlap``):
-      ZeRO-0  max(B, α_a + σ_a·G − O), B the last bucket's all-reduce (``last_bucket_s``)
-      ZeRO-1  max(B, α_a + σ_a·G − O) + α_g + σ_g·W (torch's ZeroRedundancyOptimizer keeps
+      ZeRO-0  max(B, n·α_a + σ_a·G − (1 − 1/n)·O), n DDP's buckets (``buckets.ddp_buckets``: an
+              all-reduce each, the first ready after 1/n of backward: ``buckets.overlap_share``),
+              B the last bucket's all-reduce (``last_bucket_s``)
+      ZeRO-1  the same + α_g + σ_g·W (torch's ZeroRedundancyOptimizer keeps
               DDP's all-reduce, then broadcasts each updated shard)
       ZeRO-2  m·max(0, L·α_r + σ_r·G − O) + α_g + σ_g·W
       ZeRO-3  m·[max(g₁, L·α_g + σ_g·W − fwd) + max(g₁ + r₁, L·α_g + σ_g·W + L·α_r + σ_r·G − bwd)]
@@ -37,7 +40,8 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     overlap = kappa * (load.bwd_s - terms.block["none"].bwd_s)
     m = st.micro_batches
     if st.zero in (0, 1):
-        ddp = max(terms.last_bucket_s, terms.ar_lat_s + terms.ar_s_per_byte * grad - overlap)
+        all_reduce = terms.ddp_buckets * terms.ar_lat_s + terms.ar_s_per_byte * grad
+        ddp = max(terms.last_bucket_s, all_reduce - overlap_share(terms.ddp_buckets) * overlap)
         return ddp + (lat + spb * weights if st.zero == 1 else 0.0)
     reductions = 1 if st.pp > 1 else m  # reduce-scatters per step
     if st.zero == 2:

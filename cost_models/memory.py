@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from autopar.cost_models.buckets import ddp_bucket_bytes
 from autopar.cost_models.compression import POWERSGD_STATE_BYTES_PER_PARAM
 from autopar.cost_models.profile import LayerCost
 from autopar.strategy import Strategy
@@ -10,8 +11,6 @@ from autopar.strategy import Strategy
 # 2 (16-bit weight) + 2 (16-bit gradient) + K = 12 (fp32 master weight, momentum, variance).
 # fp32 training: 4 + 4 + 8 (momentum, variance; the weights are the master copy).
 STATE_BYTES = {"bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp32": (4, 4, 8)}
-DDP_BUCKET_BYTES = 25 * 2**20
-"""DDP/FSDP gradient bucket (PyTorch default 25 MiB); two are in flight."""
 
 
 def model_state_bytes(params: float, *, zero: int, dp: int, dtype: str) -> dict[str, float]:
@@ -104,15 +103,15 @@ def state_bytes_per_param(st: Strategy) -> float:
 def comm_buffer_bytes(
     st: Strategy, *, block_params: float, edge_params: tuple[float, float], p2p_bytes: float
 ) -> tuple[float, ...]:
-    """Communication buffers of each pipeline rank: two DDP buckets (ZeRO 0–1), two pipeline
-    send/receive buffers, and under ZeRO-3 without a pipeline two gathered copies of the rank's
-    biggest layer (a block's parameters on one GPU, or the embedding's on the first rank, the
-    head's on the last)."""
+    """Communication buffers of each pipeline rank: two DDP buckets (ZeRO 0–1, ``bucket_mb``
+    each), two pipeline send/receive buffers, and under ZeRO-3 without a pipeline two gathered
+    copies of the rank's biggest layer (a block's parameters on one GPU, or the embedding's on
+    the first rank, the head's on the last)."""
     t, p = st.tp, st.pp
     w = STATE_BYTES[st.dtype][0]
     embed, head = edge_params
     ddp = st.dp > 1 and st.zero <= 1  # ZeRO-2/3 run on FSDP2: no DDP buckets
-    base_buffers = 2 * DDP_BUCKET_BYTES * ddp + 2 * p2p_bytes * t * (t > 1)
+    base_buffers = 2 * ddp_bucket_bytes(st) * ddp + 2 * p2p_bytes * t * (t > 1)
     gathered = st.zero == 3 and p == 1  # under a pipeline the weights stay gathered (rank_state_bytes)
     buffers = []
     for rank in range(p):

@@ -17,6 +17,7 @@ from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models import comm
 from autopar.cost_models import memory as mem
 from autopar.cost_models import recompute as rc
+from autopar.cost_models.buckets import ddp_buckets, last_bucket_s
 from autopar.cost_models.compression import (
     POWERSGD_LATENCY_FACTOR,
     compress_s_per_param,
@@ -122,9 +123,11 @@ class Terms:
     """Seconds per byte of one all-reduce (ring: 2(dp−1)/(dp·β))."""
     overlap: float
     """Share of compute time that can hide DP collectives (1 unless measured lower)."""
+    ddp_buckets: int
+    """ZeRO 0–1: DDP's all-reduces per step, one per gradient bucket (``buckets.ddp_buckets``)."""
     last_bucket_s: float
-    """ZeRO-0: the all-reduce of DDP's last gradient bucket, which starts when backward ends
-    (min(25 MiB, the rank's gradients): all of them for a small model)."""
+    """ZeRO 0–1: the all-reduce of DDP's last gradient bucket, which starts when backward ends
+    (min(``Strategy.bucket_mb``, the rank's gradients): all of them for a small model)."""
     opt_s_per_param: float
     """Optimizer seconds per parameter on a GPU (÷ dp under ZeRO ≥ 1), plus the gradient
     compression kernels (``compression.compress_s_per_param``): both once per step, per parameter."""
@@ -373,7 +376,7 @@ def build_terms(
     (lat, s_per_byte), (rs_lat, rs_s_per_byte), (ar_lat, ar_s_per_byte) = _dp_coefficients(cluster, st)
     ar_lat *= POWERSGD_LATENCY_FACTOR if st.powersgd_rank else 1  # a chain of 3 all-reduces per bucket
     wire = wire_bytes_per_param(profile, st)
-    layers = (blocks["none"], embed, head)
+    rank_params = (profile.blocks * blocks["none"].params + embed.params + head.params) / p  # DDP: p = 1
     return Terms(
         strategy=st,
         block=blocks,
@@ -396,7 +399,8 @@ def build_terms(
         ar_lat_s=ar_lat,
         ar_s_per_byte=ar_s_per_byte,
         overlap=cluster.comm_profile.overlap if cluster.comm_profile is not None else 1.0,
-        last_bucket_s=_last_bucket_s(profile, st, layers, ar_lat, ar_s_per_byte * wire),
+        ddp_buckets=ddp_buckets(rank_params, st),
+        last_bucket_s=last_bucket_s(rank_params, st, ar_lat, ar_s_per_byte * wire),
         opt_s_per_param=optimizer_s_per_param(cluster, st) / (st.dp_shard if st.zero >= 1 else 1)
         + compress_s_per_param(cluster, st),
         loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq, vocab=profile.vocab, tp=t),
@@ -410,19 +414,6 @@ def build_terms(
         dp_crosses_nodes=dp_link.crosses_nodes and st.dp > 1,
         tp_crosses_nodes=tp_link.crosses_nodes,
     )
-
-
-def _last_bucket_s(
-    profile: ModelProfile, st: Strategy, layers: tuple[Unit, Unit, Unit], ar_lat: float, ar_s_per_param: float
-) -> float:
-    """The all-reduce of DDP's last gradient bucket, min(25 MiB of fp32 gradients, the rank's)
-    (0 at dp 1), at ``ar_s_per_param`` per parameter (what compression leaves on the wire).
-
-    ``layers``: a block's (no recompute), the embedding's and the head's units."""
-    block, embed, head = layers
-    total_params = profile.blocks * block.params + embed.params + head.params
-    params = min(mem.DDP_BUCKET_BYTES / 4, total_params / st.pp)  # DDP buckets hold fp32 gradients
-    return ar_lat + ar_s_per_param * params if st.dp > 1 else 0.0
 
 
 def _default_reserve_bytes(device: DeviceSpec) -> float:

@@ -97,6 +97,9 @@ def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
     )
     add_grad_reduce_flag(g, "fix the dtype gradients are reduced in (default: the planner picks)")
     add_powersgd_flag(g, "fix PowerSGD's rank (0: off; default: the planner picks, with --allow-lossy-comm)")
+    add_bucket_flag(
+        g, "fix DDP's gradient bucket cap in MiB on plans that run on DDP (default: the planner picks)"
+    )
     g.add_argument(
         "--allow-lossy-comm",
         action="store_true",
@@ -119,6 +122,11 @@ def add_grad_reduce_flag(g: Any, help_text: str, default: str | None = None) -> 
 def add_powersgd_flag(g: Any, help_text: str, default: int | None = None) -> None:
     """--powersgd-rank: DDP's PowerSGD gradient compression (lossy)."""
     g.add_argument("--powersgd-rank", type=non_negative_int, default=default, help=help_text)
+
+
+def add_bucket_flag(g: Any, help_text: str, default: float | None = None) -> None:
+    """--bucket-mb: DDP's gradient bucket cap (``Strategy.bucket_mb``)."""
+    g.add_argument("--bucket-mb", type=positive_float, default=default, help=help_text)
 
 
 def add_measured_flags(p: argparse.ArgumentParser) -> None:
@@ -149,6 +157,7 @@ def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Constraints
         grad_reduce=args.grad_reduce,
         dp_replicate=args.dp_replicate,
         powersgd_rank=args.powersgd_rank,
+        bucket_mb=args.bucket_mb,
         allow_lossy_comm=args.allow_lossy_comm,
         **extra,
     )

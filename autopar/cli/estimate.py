@@ -14,6 +14,7 @@ from autopar.cli.common import (
     CLUSTER_HELP,
     DTYPES,
     MODEL_HELP,
+    add_bucket_flag,
     add_grad_reduce_flag,
     add_json_flag,
     add_measured_flags,
@@ -24,7 +25,7 @@ from autopar.cli.common import (
     print_json,
     progress,
 )
-from autopar.strategy import RECOMPUTE, SAC, SCHEDULES, TP_OBJECTIVES, is_recompute_name
+from autopar.strategy import DDP_BUCKET_MB, RECOMPUTE, SAC, SCHEDULES, TP_OBJECTIVES, is_recompute_name
 from autopar.units import format_bytes, format_si
 
 
@@ -80,14 +81,7 @@ def add_parsers(sub: Any) -> None:
         help="what the per-operator TP choice minimises (default time)",
     )
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
-    add_grad_reduce_flag(p, "dtype the data-parallel gradients are reduced in (default fp32)", "fp32")
-    add_powersgd_flag(p, "PowerSGD's rank on a DDP plan (default 0: off; lossy)", 0)
-    p.add_argument(
-        "--dp-replicate",
-        type=positive,
-        default=1,
-        help="HSDP: replicas of the ZeRO-2/3 shard groups over the data-parallel ranks (default 1: none)",
-    )
+    _add_comm_flags(p)
     p.add_argument(
         "--reserve-gib",
         type=non_negative_float,
@@ -96,6 +90,21 @@ def add_parsers(sub: Any) -> None:
     )
     add_json_flag(p)
     add_measured_flags(p)
+
+
+def _add_comm_flags(p: argparse.ArgumentParser) -> None:
+    """estimate's communication knobs, at their defaults when not given."""
+    add_grad_reduce_flag(p, "dtype the data-parallel gradients are reduced in (default fp32)", "fp32")
+    add_powersgd_flag(p, "PowerSGD's rank on a DDP plan (default 0: off; lossy)", 0)
+    add_bucket_flag(
+        p, f"DDP's gradient bucket cap in MiB on a DDP plan (default {DDP_BUCKET_MB:g})", DDP_BUCKET_MB
+    )
+    p.add_argument(
+        "--dp-replicate",
+        type=positive,
+        default=1,
+        help="HSDP: replicas of the ZeRO-2/3 shard groups over the data-parallel ranks (default 1: none)",
+    )
 
 
 def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
@@ -187,6 +196,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         grad_reduce=args.grad_reduce,
         dp_replicate=args.dp_replicate,
         powersgd_rank=args.powersgd_rank,
+        bucket_mb=args.bucket_mb,
     )
     if strategy.world_size != cluster.world_size:  # before the capture: say it at once
         check_strategy(strategy, world_size=cluster.world_size, blocks=10**9, heads=None)
@@ -221,6 +231,7 @@ def _print_estimate(console: Console, model: str, cluster: Any, st: Any, est: An
         f"{f', gradients reduced in {st.grad_reduce}' if st.dp > 1 and st.grad_reduce != 'fp32' else ''}"
         f"{f', HSDP {st.dp_replicate} × {st.dp_shard}' if st.dp_replicate > 1 else ''}"
         f"{f', PowerSGD rank {st.powersgd_rank}' if st.powersgd_rank else ''}"
+        f"{f', DDP buckets of {st.bucket_mb:g} MiB' if st.uses_ddp else ''}"
     )
     table = Table(title="step time", show_edge=False, title_justify="left")
     table.add_column("term")

@@ -15,6 +15,7 @@ import math
 
 import pulp
 
+from autopar.cost_models.buckets import overlap_share
 from autopar.cost_models.dp_overlap import zero3_unhidden_s
 from autopar.cost_models.terms import Terms
 from autopar.planner.solver import mip_solver, solve
@@ -184,8 +185,12 @@ class LayoutILP:
         overlap = kappa * (bwd_k - terms.block["none"].bwd_s * ts)
         hinge = pulp.LpVariable(f"dp_hidden_excess_{k}", lowBound=0)
         if st.zero in (0, 1):  # DDP's gradient all-reduce beyond what backward hides
-            all_reduce = (terms.ar_lat_s + terms.ar_s_per_byte * grad) * ts
-            self.prob += hinge >= all_reduce - overlap, f"dp_allreduce_{k}"
+            all_reduce = (
+                terms.ddp_buckets * terms.ar_lat_s + terms.ar_s_per_byte * grad
+            ) * ts  # a bucket each
+            # hidden by the backward after the first bucket fills (``buckets.overlap_share``)
+            hidden = overlap_share(terms.ddp_buckets) * overlap
+            self.prob += hinge >= all_reduce - hidden, f"dp_allreduce_{k}"
             self.prob += hinge >= terms.last_bucket_s * ts, f"ddp_last_bucket_{k}"
             # ZeRO-1: + the updated shards' broadcast (an all-gather of the weights)
             self.prob += (

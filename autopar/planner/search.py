@@ -37,11 +37,12 @@ from autopar.cluster import Cluster
 from autopar.cost_models.estimate import Estimate
 from autopar.cost_models.terms import Terms
 from autopar.planner.bounds import lower_bound_s, tight_bound_s
+from autopar.planner.comm_knobs import comm_knobs
 from autopar.planner.layout_ilp import fits_somehow, solve_layout
 from autopar.planner.pricing import Pricer
 from autopar.planner.recompute_ilp import recompute_choices
 from autopar.request import Constraints, PlanRequest
-from autopar.strategy import RECOMPUTE, V_SHAPE, RecomputePolicy, Strategy, remat, runs_on_ddp, runs_with_zero
+from autopar.strategy import RECOMPUTE, V_SHAPE, RecomputePolicy, Strategy, remat, runs_with_zero
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,59 +183,12 @@ def outer_strategies(
                         grad_reduce=reduce,
                         dp_replicate=replicas,
                         powersgd_rank=rank,
+                        bucket_mb=bucket,
                         policies=policies,
                     )
-                    for reduce in _grad_reduces(request, tp=tp, pp=pp, dp=dp, zero=zero)
-                    for replicas in _replicas(request, tp=tp, dp=dp, zero=zero)
-                    for rank in _powersgd_ranks(request, tp=tp, pp=pp, dp=dp, zero=zero, reduce=reduce)
+                    for reduce, replicas, rank, bucket in comm_knobs(request, tp=tp, pp=pp, dp=dp, zero=zero)
                 )
     return measured_first(request.cluster, out)
-
-
-def _grad_reduces(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int) -> list[str]:
-    """The gradient reduction dtypes worth pricing: the constraint's; fp32 at dp 1 (nothing is
-    reduced) or where bf16 would be lossy and not allowed (``Strategy.lossy_comm``); else bf16
-    alone — half the bytes, the same compute and memory under FSDP2, so never slower — but both
-    on DDP, whose compression hook casts each bucket on the compute stream
-    (``compression.compress_s_per_param``), a cost a fully hidden all-reduce does not repay."""
-    c = request.constraints
-    if c.grad_reduce is not None:
-        return [c.grad_reduce]
-    if dp == 1 or not (request.dtype == "bf16" or c.allow_lossy_comm):
-        return ["fp32"]
-    return ["fp32", "bf16"] if runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero) else ["bf16"]
-
-
-def _replicas(request: PlanRequest, *, tp: int, dp: int, zero: int) -> list[int]:
-    """HSDP replica counts worth pricing (``Strategy.dp_replicate``): the constraint's; 1 below
-    ZeRO-2 or where the DP axis fits in a node; else also shard groups of one node's and two
-    nodes' DP ranks (k = gpus_per_node / tp and twice that, at least 2 and fewer than dp).
-    HSDP is lossless: it trades the states one group shards for collectives inside it."""
-    c = request.constraints
-    if c.dp_replicate is not None:
-        r = c.dp_replicate
-        return [r] if r == 1 or (zero >= 2 and dp % r == 0 and dp // r >= 2) else []
-    gpn = request.cluster.gpus_per_node
-    if zero < 2 or dp * tp <= gpn:
-        return [1]
-    groups = [k for k in (gpn // tp, 2 * gpn // tp) if gpn % tp == 0 and 2 <= k < dp and dp % k == 0]
-    return [1, *(dp // k for k in groups)]
-
-
-POWERSGD_RANK = 4
-"""The PowerSGD rank a free search prices (Vogels et al. 2019 train ResNet-18 and an LSTM at
-rank 1–4 to uncompressed accuracy; torch's docs suggest starting at 1–4)."""
-
-
-def _powersgd_ranks(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int, reduce: str) -> list[int]:
-    """PowerSGD ranks worth pricing: the constraint's where the plan runs on DDP with fp32
-    reduction (``Strategy.powersgd_rank``); else 0, and ``POWERSGD_RANK`` too where the user
-    allows lossy communication and DDP's all-reduce leaves the node."""
-    c, ddp = request.constraints, runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero) and reduce == "fp32"
-    if c.powersgd_rank is not None:
-        return [c.powersgd_rank] if c.powersgd_rank == 0 or ddp else []
-    crosses = dp * tp > request.cluster.gpus_per_node
-    return [0, POWERSGD_RANK] if c.allow_lossy_comm and ddp and crosses else [0]
 
 
 def measured_first(cluster: Cluster, strategies: list[Strategy]) -> list[Strategy]:

@@ -112,8 +112,12 @@ def apply_data_parallel(stages: Stages, plan: Plan, mesh: Any, half: torch.dtype
         # gradients as views of DDP's buckets: otherwise the buckets are a second copy of every
         # gradient (torch's DDP docs: the saving "will be equal to the total gradients size"),
         # which the cost model's two 25 MiB buckets (memory.comm_buffer_bytes) do not price
+        # buckets of the plan's cap (``Strategy.bucket_mb``; priced in ``cost_models.buckets``)
         ddp = DistributedDataParallel(
-            stages.modules[0], process_group=mesh["dp"].get_group(), gradient_as_bucket_view=True
+            stages.modules[0],
+            process_group=mesh["dp"].get_group(),
+            gradient_as_bucket_view=True,
+            bucket_cap_mb=st.bucket_mb,
         )
         register_comm_hook(ddp, plan, mesh["dp"].get_group())
         stages.modules[0] = ddp

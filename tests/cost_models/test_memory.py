@@ -13,7 +13,6 @@ import torch.multiprocessing as mp
 
 from autopar import Cluster, Constraints, PlanRequest
 from autopar.cost_models.memory import (
-    DDP_BUCKET_BYTES,
     LOSS_BYTES_PER_LOGIT,
     comm_buffer_bytes,
     loss_bytes,
@@ -70,7 +69,7 @@ def test_comm_buffers_by_hand() -> None:
     # blocks of 1e8 parameters, embedding and head of 5e8, bf16 (2 B), dp 8, no TP or pipeline
     sizes = dict(block_params=1e8, edge_params=(5e8, 5e8), p2p_bytes=0.0)
     ddp = Strategy(dp=8, zero=0, micro_batch=1, global_batch=8, seq=1024)
-    assert comm_buffer_bytes(ddp, **sizes) == (2 * DDP_BUCKET_BYTES,)  # DDP: two buckets
+    assert comm_buffer_bytes(ddp, **sizes) == (2 * 25 * 2**20,)  # DDP: two buckets of 25 MiB
     zero2 = Strategy(dp=8, zero=2, micro_batch=1, global_batch=8, seq=1024)
     assert comm_buffer_bytes(zero2, **sizes) == (0.0,)  # FSDP2: no DDP buckets
     zero3 = Strategy(dp=8, zero=3, micro_batch=1, global_batch=8, seq=1024)

@@ -11,6 +11,7 @@ from autopar import AutoparError, Cluster, Constraints, PlanRequest
 from autopar.cli import main
 from autopar.cost_models.estimate import estimate
 from autopar.planner import ModelProfiles, make_plan
+from autopar.planner.comm_knobs import BUCKET_MBS
 from autopar.planner.search import outer_strategies
 
 
@@ -165,3 +166,43 @@ def test_cli_powersgd_needs_the_flag_and_verify_refuses_it(capsys) -> None:
     assert main([*verify, "--powersgd-rank", "4", "--allow-lossy-comm"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--powersgd-rank 0" in err
+
+
+def test_the_bucket_sizes_the_search_prices() -> None:
+    """DDP plans whose all-reduce leaves the node: torch's 25 MiB and 4× and 16× it; inside a node
+    and on every plan not on DDP: 25 alone; a constraint fixes it on DDP plans only."""
+    across = outer_strategies(_gpt2_request(False), blocks=12, heads=12)
+    buckets = {st.bucket_mb for st in across if st.uses_ddp and st.dp > 8}
+    assert buckets == set(BUCKET_MBS) == {25.0, 100.0, 400.0}
+    assert {st.bucket_mb for st in across if not (st.uses_ddp and st.dp > 8)} == {25.0}
+    one_node = replace(_gpt2_request(False), cluster=Cluster.preset("a100-pcie-25gbe", nodes=1))
+    assert {st.bucket_mb for st in outer_strategies(one_node, blocks=12, heads=12)} == {25.0}
+    fixed = replace(_gpt2_request(False), constraints=Constraints(bucket_mb=50))
+    strategies = outer_strategies(fixed, blocks=12, heads=12)
+    assert {st.bucket_mb for st in strategies if st.uses_ddp} == {50}
+    assert {st.bucket_mb for st in strategies if not st.uses_ddp} == {25.0}
+
+
+def test_ddp_across_dgx_nodes_gets_the_fastest_bucket_size() -> None:
+    """GPT-2 as DDP over 4 DGX-H100 nodes: bandwidth-bound (its 0.5 GB of fp32 gradients take
+    longer to all-reduce than backward), so fewer buckets pay fewer latencies; the plan's cap is
+    the fastest of the three priced, faster than torch's default, and the plan says it."""
+    request = PlanRequest(
+        model="gpt2",
+        cluster=Cluster.preset("dgx-h100", nodes=4),
+        global_batch=64,
+        seq=1024,
+        dtype="bf16",
+        constraints=Constraints(tp=1, pp=1, zero=0, grad_reduce="fp32"),
+    )
+    profiles = ModelProfiles.of("gpt2", dtype="bf16", seq=1024)
+    result = make_plan(request, profiles)
+    st = result.plan.strategy
+    times = {
+        b: estimate(profiles.at(st.micro_batch), request.cluster, replace(st, bucket_mb=b)).step_time_s
+        for b in BUCKET_MBS
+    }
+    assert st.bucket_mb == min(times, key=times.__getitem__) != 25.0, times
+    assert result.plan.predicted["step_time_s"] == pytest.approx(times[st.bucket_mb])
+    assert times[st.bucket_mb] < times[25.0]
+    assert f"DDP buckets of {st.bucket_mb:g} MiB" in result.plan.text()

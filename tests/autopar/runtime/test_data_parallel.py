@@ -3,8 +3,10 @@ single-process training on the same data."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -36,6 +38,7 @@ def _plan(
     cfg: GPTConfig = CFG,
     batch: int = BATCH,
     powersgd: int = 0,
+    bucket_mb: float | None = None,
 ) -> str:
     """The DP2 plan with these knobs for a GPT of ``cfg`` at its block size, as JSON."""
     with torch.device("meta"):
@@ -49,6 +52,7 @@ def _plan(
         recompute=(recompute,),
         grad_reduce=reduce,
         powersgd_rank=powersgd,
+        bucket_mb=bucket_mb,
         allow_lossy_comm=True,
     )
     request = PlanRequest(
@@ -72,6 +76,55 @@ BF16_CASES = [(0, 4, "none", "bf16"), (3, 2, "none", "bf16"), (1, 2, "none", "fp
 # (lossy) on fp32 ones
 BF16_CASES += [(0, 4, "none", "bf16", "bf16"), (3, 2, "none", "bf16", "bf16")]
 REDUCE_CASES = [(0, 2, "none", "fp32", "bf16"), (2, 2, "none", "fp32", "bf16")]
+# DDP's buckets at a cap of 0.05 MiB (13,107 fp32 gradients; the model has 55k parameters)
+BUCKET_MB = 0.05
+BUCKET_CASES = [(0, 2, "none"), (1, 4, "full")]
+
+
+class CountingDDP(torch.nn.parallel.DistributedDataParallel):
+    """DDP that counts the buckets it all-reduces in each synchronised backward (through a comm
+    hook doing what DDP does without one: ``allreduce_hook``)."""
+
+    synced: ClassVar[list[int]] = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        super().__init__(*args, **kwargs)
+
+        def count(state, bucket):
+            self.synced[-1] += 1
+            return default_hooks.allreduce_hook(state, bucket)
+
+        self.register_comm_hook(self.process_group, count)
+
+    def forward(self, *args, **kwargs):
+        if self.require_backward_grad_sync:  # this micro-batch's backward all-reduces
+            self.synced.append(0)
+        return super().forward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def expect_ddp_buckets():
+    """Every synchronised backward all-reduces as many buckets as the cost model predicts for
+    the model's parameters at the plan's cap (``cost_models.buckets.ddp_buckets``)."""
+    from autopar.cost_models.buckets import ddp_buckets
+    from autopar.strategy import Strategy
+
+    real = torch.nn.parallel.DistributedDataParallel
+    torch.nn.parallel.DistributedDataParallel = CountingDDP
+    CountingDDP.synced = []
+    try:
+        yield
+    finally:
+        torch.nn.parallel.DistributedDataParallel = real
+    params = sum(p.numel() for p in make_model().parameters())
+    predicted = ddp_buckets(params, Strategy(dp=WORLD, global_batch=BATCH, bucket_mb=BUCKET_MB))
+    first, *steady = CountingDDP.synced
+    assert len(steady) == STEPS - 1 and first == 1, CountingDDP.synced  # step 1: one bucket, then rebuilt
+    # torch closes a bucket once it reaches the cap: ⌈4P/C⌉ or one fewer (``ddp_buckets``)
+    assert all(predicted - 1 <= n <= predicted for n in steady), (CountingDDP.synced, predicted)
+    assert min(steady) >= 3, CountingDDP.synced  # the cap really split the gradients
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +132,9 @@ def distributed_results(tmp_path_factory):
     torch.manual_seed(1)
     data = torch.randint(0, CFG.vocab_size, (STEPS, BATCH, SEQ))
     plans = [Plan.from_json(_plan(*case)) for case in CASES + BF16_CASES + REDUCE_CASES]
-    return data, spawn_plans(make_model, plans, data, str(tmp_path_factory.mktemp("dp")))
+    plans += [Plan.from_json(_plan(*case, bucket_mb=BUCKET_MB)) for case in BUCKET_CASES]
+    hooks = [None] * (len(plans) - len(BUCKET_CASES)) + [expect_ddp_buckets] * len(BUCKET_CASES)
+    return data, spawn_plans(make_model, plans, data, str(tmp_path_factory.mktemp("dp")), hooks=hooks)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))
@@ -100,6 +155,20 @@ def test_dp_plan_matches_single_process(distributed_results, index: int) -> None
     worst = max((got["state"][k] - v).abs().max().item() for k, v in ref_state.items() if k in got["state"])
     gap = max(abs(a - b) for a, b in zip(got["losses"], ref_losses, strict=True))
     print(f"{CASES[index]}: max loss diff {gap:.1e}, max parameter diff {worst:.1e}")
+
+
+@pytest.mark.parametrize("index", range(len(BUCKET_CASES)))
+def test_ddp_buckets_of_the_planned_cap_match_single_process(distributed_results, index: int) -> None:
+    """ZeRO 0 and 1 on DDP with 0.05 MiB buckets: every step reduced the predicted number of
+    buckets (``expect_ddp_buckets``, asserted in the workers), and training equals one process
+    (fp32: only the order of the gradient sum differs)."""
+    data, results = distributed_results
+    ref_losses, ref_state = run_reference(make_model, data, STEPS)[:2]
+    got = results[len(CASES) + len(BF16_CASES) + len(REDUCE_CASES) + index]
+    assert got["losses"] == pytest.approx(ref_losses, abs=1e-5), BUCKET_CASES[index]
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(got["state"][name], ref, atol=1e-4, rtol=1e-4, msg=name)
+    assert got["checkpoint_exact"]
 
 
 @pytest.mark.parametrize("index", range(len(BF16_CASES)))
