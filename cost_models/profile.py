@@ -134,6 +134,26 @@ class ModelProfile:
         """Number of repeated layers (all but embed and head)."""
         return len(self.layers) - 2
 
+    def deepened(self, blocks: int) -> ModelProfile | None:
+        """This profile, captured on a copy of the model with fewer blocks, as the model with
+        ``blocks`` identical blocks: the costs are per layer type, so only the layer list, its
+        names (continued by index: ``h.0``, ``h.1`` → ``h.2``, …) and the parameter count grow
+        (by the block's parameters per block added). None when the captured blocks are not
+        all of one type or not named ``<prefix><index>``: such a model must be captured whole."""
+        kinds, names = set(self.layers[1:-1]), self.layer_names[1:-1]
+        prefix = names[0][:-1] if names and names[0].endswith("0") else None
+        if len(kinds) != 1 or prefix is None or any(n != f"{prefix}{i}" for i, n in enumerate(names)):
+            return None
+        (kind,) = kinds
+        added = blocks - len(names)
+        assert added >= 0, (blocks, names)
+        return dataclasses.replace(
+            self,
+            layers=(self.layers[0], *[kind] * blocks, self.layers[-1]),
+            layer_names=(self.layer_names[0], *(f"{prefix}{i}" for i in range(blocks)), self.layer_names[-1]),
+            total_params=self.total_params + added * self.layer_types[kind].params,
+        )
+
     @property
     def step_model_flops_per_sequence(self) -> float:
         """Forward + backward FLOPs per sequence."""

@@ -158,7 +158,9 @@ def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) ->
         predicted=est.to_dict(),
         solve_time_s=solve_time_s,
         optimality_gap=cand.gap,
-        tensor_parallel=tp_tables(pricer.profiles.captured(st.micro_batch), cluster, st, heads=profile.heads)
+        tensor_parallel=tp_tables(
+            pricer.profiles.captured(st.micro_batch), cluster, st, heads=profile.heads, blocks=profile.blocks
+        )
         if st.tp > 1
         else (),
     )

@@ -94,7 +94,7 @@ def forward_passes(st: Strategy, blocks: int) -> int:
 
 
 def tp_tables(
-    cap: CapturedModel, cluster: Cluster, st: Strategy, *, heads: int | None
+    cap: CapturedModel, cluster: Cluster, st: Strategy, *, heads: int | None, blocks: int
 ) -> tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]:
     """Per layer type, the per-operator TP strategies the ILPs choose for ``st`` on ``cap`` (best:
     the graph captured at the plan's micro-batch); empty at tp 1."""
@@ -105,7 +105,7 @@ def tp_tables(
             f"tp {st.tp}: no way to split {heads} attention heads {st.tp} ways; "
             "choose a tp that divides the head count"
         )
-    passes = forward_passes(st, len(cap.layers) - 2)
+    passes = forward_passes(st, blocks)  # the model's blocks (the capture may hold fewer)
     choices = layer_choices(
         cap,
         cluster,
@@ -178,7 +178,8 @@ class TPLayouts:
     def __call__(self, st: Strategy) -> TPLayout | None:
         if st.tp == 1:
             return None
-        key = (st.tp, st.sequence_parallel, st.tp_objective, forward_passes(st, len(self.graph.layers) - 2))
+        passes = forward_passes(st, self.profiles.base.blocks)  # the model's (the capture may hold fewer)
+        key = (st.tp, st.sequence_parallel, st.tp_objective, passes)
         if key not in self.solved:
             self.solved[key] = layout_of(self.graph, st.tp, self._choices(*key), self.index)
         return self.solved[key]
@@ -193,11 +194,11 @@ class TPLayouts:
         lean = replace(st, tp_objective="memory")
         key = (st.tp, st.sequence_parallel)
         if key not in self.lean_pays:
-            layers = self.graph.layers
+            types = self.profiles.base.layers  # every layer of the model by type
 
             def kept(layout: TPLayout | None) -> float:
                 assert layout is not None
-                return sum(layout[layer.type].local_params for layer in layers)
+                return sum(layout[t].local_params for t in types)
 
             self.lean_pays[key] = kept(self(lean)) < (1 - LEAN_GAIN) * kept(self(st))
         return [st, lean] if self.lean_pays[key] else [st]

@@ -7,7 +7,7 @@ meta device (no memory); ``build(name, device="cpu")`` materialises it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -103,16 +103,24 @@ ZOO: dict[str, ZooEntry] = {
 
 
 def build(
-    name: str, *, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16
+    name: str,
+    *,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype = torch.bfloat16,
+    blocks: int | None = None,
 ) -> nn.Module:
-    """Construct zoo model ``name`` on ``device`` with parameters in ``dtype``."""
+    """Construct zoo model ``name`` on ``device`` with parameters in ``dtype`` (with ``blocks``
+    blocks instead of its own when given: a shallow copy the planner captures in its place)."""
     if name not in ZOO:
         raise ModelSpecError(
             f"unknown model {name!r}; built-in models are {', '.join(ZOO)} "
             "(or give path/to/file.py:factory or package.module:factory)"
         )
+    entry = ZOO[name]
+    if blocks is not None:
+        entry = replace(entry, config=replace(entry.config, n_layer=blocks))
     with torch.device(device):
-        model = ZOO[name].factory()()
+        model = entry.factory()()
     return model.to(dtype)
 
 
