@@ -43,9 +43,9 @@ def is_recompute_name(name: str) -> bool:
 DTYPES = ("bf16", "fp16", "fp32")
 TP_OBJECTIVES = ("time", "memory")
 GRAD_REDUCE = ("fp32", "bf16")
+"""Dtypes the data-parallel gradient reduction may run in (``Strategy.grad_reduce``)."""
 DDP_BUCKET_MB = 25.0
 """DDP's default gradient bucket cap in MiB (``DistributedDataParallel(bucket_cap_mb=...)``)."""
-"""Dtypes the data-parallel gradient reduction may run in (``Strategy.grad_reduce``)."""
 SHARDING = ("column", "row", "heads", "vocab")
 """Names of the strategies that split an operator's weights or heads (the others replicate or
 follow their inputs): what plans show per module."""

@@ -110,7 +110,7 @@ def comm_buffer_bytes(
     t, p = st.tp, st.pp
     w = STATE_BYTES[st.dtype][0]
     embed, head = edge_params
-    ddp = st.dp > 1 and st.zero <= 1  # ZeRO-2/3 run on FSDP2: no DDP buckets
+    ddp = st.uses_ddp  # every other data-parallel plan runs on FSDP2: no DDP buckets
     base_buffers = 2 * ddp_bucket_bytes(st) * ddp + 2 * p2p_bytes * t * (t > 1)
     gathered = st.zero == 3 and p == 1  # under a pipeline the weights stay gathered (rank_state_bytes)
     buffers = []

@@ -185,10 +185,9 @@ class LayoutILP:
         overlap = kappa * (bwd_k - terms.block["none"].bwd_s * ts)
         hinge = pulp.LpVariable(f"dp_hidden_excess_{k}", lowBound=0)
         if st.zero in (0, 1):  # DDP's gradient all-reduce beyond what backward hides
-            all_reduce = (
-                terms.ddp_buckets * terms.ar_lat_s + terms.ar_s_per_byte * grad
-            ) * ts  # a bucket each
-            # hidden by the backward after the first bucket fills (``buckets.overlap_share``)
+            # an all-reduce per bucket, hidden by the backward after the first bucket fills
+            # (``buckets.ddp_buckets``, ``buckets.overlap_share``)
+            all_reduce = (terms.ddp_buckets * terms.ar_lat_s + terms.ar_s_per_byte * grad) * ts
             hidden = overlap_share(terms.ddp_buckets) * overlap
             self.prob += hinge >= all_reduce - hidden, f"dp_allreduce_{k}"
             self.prob += hinge >= terms.last_bucket_s * ts, f"ddp_last_bucket_{k}"

@@ -109,10 +109,10 @@ def apply_data_parallel(stages: Stages, plan: Plan, mesh: Any, half: torch.dtype
     if st.uses_ddp:  # the model as written (tp = pp = 1) at ZeRO 0–1
         from torch.nn.parallel import DistributedDataParallel
 
-        # gradients as views of DDP's buckets: otherwise the buckets are a second copy of every
-        # gradient (torch's DDP docs: the saving "will be equal to the total gradients size"),
-        # which the cost model's two 25 MiB buckets (memory.comm_buffer_bytes) do not price
-        # buckets of the plan's cap (``Strategy.bucket_mb``; priced in ``cost_models.buckets``)
+        # buckets of the plan's cap (``Strategy.bucket_mb``; priced in ``cost_models.buckets``),
+        # gradients as views of them: otherwise the buckets are a second copy of every gradient
+        # (torch's DDP docs: the saving "will be equal to the total gradients size"), which the
+        # cost model's two in-flight buckets (memory.comm_buffer_bytes) do not price
         ddp = DistributedDataParallel(
             stages.modules[0],
             process_group=mesh["dp"].get_group(),
