@@ -104,6 +104,9 @@ class ComputeProfile:
     optimizer_dtensor_s_per_param: float | None = None
     """The same on DTensor parameters (TP-sharded, as under TP and FSDP2, where each tensor
     pays DTensor's dispatch); None when no TP width > 1 was profiled."""
+    compiled: bool = False
+    """Each layer was timed compiled by ``torch.compile`` (``autopar profile --compile``): it
+    prices plans that compile their blocks (``Strategy.compile``), the eager ones only eager."""
     version: int = FORMAT_VERSION
     """File format version."""
 
@@ -115,10 +118,18 @@ class ComputeProfile:
             )
 
     def timing(
-        self, layer_type: str, *, micro_batch: int, seq: int, tp: int, sp: bool, dtype: str
+        self,
+        layer_type: str,
+        *,
+        micro_batch: int,
+        seq: int,
+        tp: int,
+        sp: bool,
+        dtype: str,
+        compiled: bool = False,
     ) -> LayerTiming | None:
-        """The measurement of exactly this layer type and shape, or None."""
-        if seq != self.seq or dtype != self.dtype:
+        """The measurement of exactly this layer type and shape, compiled or eager, or None."""
+        if seq != self.seq or dtype != self.dtype or compiled != self.compiled:
             return None
         sp = sp and tp > 1
         for t in self.layers:
@@ -127,10 +138,15 @@ class ComputeProfile:
                 return t
         return None
 
-    def covers(self, *, micro_batch: int, seq: int, tp: int, sp: bool, dtype: str) -> bool:
+    def covers(
+        self, *, micro_batch: int, seq: int, tp: int, sp: bool, dtype: str, compiled: bool = False
+    ) -> bool:
         """Whether this shape was measured (for any layer type)."""
         return any(
-            self.timing(t.layer_type, micro_batch=micro_batch, seq=seq, tp=tp, sp=sp, dtype=dtype) is not None
+            self.timing(
+                t.layer_type, micro_batch=micro_batch, seq=seq, tp=tp, sp=sp, dtype=dtype, compiled=compiled
+            )
+            is not None
             for t in self.layers
         )
 

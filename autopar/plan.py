@@ -235,7 +235,8 @@ class Plan:
                 if st.dp_replicate > 1
                 else ""
             )
-            + (f"; DDP buckets of {st.bucket_mb:g} MiB" if st.uses_ddp else ""),
+            + (f"; DDP buckets of {st.bucket_mb:g} MiB" if st.uses_ddp else "")
+            + ("; each block compiled (torch.compile)" if st.compile == "block" else ""),
         ]
         for s in self.stages:
             rc = s.recompute_summary

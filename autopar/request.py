@@ -13,6 +13,7 @@ from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.strategy import (
     ALLOWED_RECOMPUTE,
+    COMPILE,
     DTYPES,
     GRAD_REDUCE,
     SCHEDULES,
@@ -62,6 +63,10 @@ class Constraints:
     bucket_mb: float | None = None
     """Fix DDP's gradient bucket cap in MiB on plans that run on DDP (``Strategy.bucket_mb``).
     None: torch's 25, and 100 and 400 priced too where DDP's all-reduce leaves the node."""
+    compile: str | None = "off"
+    """Fix how the plan compiles (``Strategy.compile``: off or block). None: the planner prices
+    both and keeps the faster; off by default, as compiling costs minutes of warm-up and a
+    model with graph breaks compiles in pieces."""
     memory_cap_bytes: float | None = None
     """Plan for at most this much memory per GPU (below the device's)."""
     max_micro_batch: int = 16
@@ -76,6 +81,8 @@ class Constraints:
             raise AutoparError(
                 f"grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}"
             )
+        if self.compile is not None and self.compile not in COMPILE:
+            raise AutoparError(f"compile must be one of {', '.join(COMPILE)} or None, got {self.compile!r}")
         k = self.powersgd_rank
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise AutoparError(f"powersgd_rank must be a non-negative integer, got {k!r}")

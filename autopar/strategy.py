@@ -44,6 +44,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 TP_OBJECTIVES = ("time", "memory")
 GRAD_REDUCE = ("fp32", "bf16")
 """Dtypes the data-parallel gradient reduction may run in (``Strategy.grad_reduce``)."""
+COMPILE = ("off", "block")
+"""How a plan compiles its model (``Strategy.compile``): eager, or each block by ``torch.compile``."""
 DDP_BUCKET_MB = 25.0
 """DDP's default gradient bucket cap in MiB (``DistributedDataParallel(bucket_cap_mb=...)``)."""
 SHARDING = ("column", "row", "heads", "vocab")
@@ -153,6 +155,11 @@ class Strategy:
     larger buckets pay the all-reduce's latency fewer times, and smaller ones leave less to
     reduce after backward ends (the last bucket). torch's default 25 on every other plan
     (FSDP2 reduces per block)."""
+    compile: str = "off"
+    """``off``: eager kernels, as written. ``block``: regional compilation, each block compiled
+    by ``torch.compile`` (inductor) after recompute wrapping and before data-parallel sharding,
+    as torchtitan does; the cost model then prices each chain of elementwise and reduction ops
+    between two matmuls as one fused kernel (``cost_models.profile.fusion_groups``)."""
     tp_objective: str = "time"
     """What the per-operator TP choice minimises (tp > 1): ``time``, the fastest layout, or
     ``memory``, the fastest of the leanest (e.g. a large embedding split by vocabulary where
@@ -184,6 +191,7 @@ class Strategy:
             ("tp_objective", TP_OBJECTIVES),
             ("dtype", DTYPES),
             ("grad_reduce", GRAD_REDUCE),
+            ("compile", COMPILE),
         ):
             if getattr(self, name) not in allowed:
                 raise StrategyError(

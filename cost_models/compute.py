@@ -31,16 +31,25 @@ def roofline_time_s(flops: float, mem_bytes: float, *, flops_per_s: float, bytes
 
 
 def layer_forward_s(
-    layer: LayerCost, device: DeviceSpec, dtype: str, *, tp: int, sp: bool, stream_share: float | None = None
+    layer: LayerCost,
+    device: DeviceSpec,
+    dtype: str,
+    *,
+    tp: int,
+    sp: bool,
+    stream_share: float | None = None,
+    compiled: bool = False,
 ) -> float:
     """Forward seconds of one layer on one GPU: Σ over its kernels of the roofline time (FLOPs as
     the kernels execute them: ``OpCost.kernel_flops``). Kernels
     on the residual stream move all their bytes on every rank, or 1/tp of them under sequence
-    parallelism; ``stream_share``: the share a per-operator TP choice gives them instead."""
+    parallelism; ``stream_share``: the share a per-operator TP choice gives them instead.
+    ``compiled``: the kernels ``torch.compile`` runs (``LayerCost.fused_ops``: each chain of
+    elementwise and reduction ops one kernel), else the eager ones."""
     bw = device.hbm_bandwidth_bytes_per_s
     share = stream_share if stream_share is not None else (1 / tp if sp else 1.0)
     total = 0.0
-    for op in layer.ops:
+    for op in layer.fused_ops if compiled and layer.fused_ops else layer.ops:
         rate = device.achievable_flops(dtype, attention=op.attention)
         total += max(op.kernel_flops / tp / rate, op.mem_bytes * (share if op.stream else 1 / tp) / bw)
     return total

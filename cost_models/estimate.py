@@ -276,14 +276,16 @@ def measurement_notes(profile: ModelProfile, cluster: Cluster, st: Strategy) -> 
                 tp=st.tp,
                 sp=st.sequence_parallel,
                 dtype=st.dtype,
+                compiled=st.compile == "block",
             )
             is None
         ]
         if missing:
             sp = " sp" if st.sequence_parallel and st.tp > 1 else ""
+            how = "compiled" if st.compile == "block" else "eager"
             notes.append(
                 f"compute of {', '.join(missing)} at micro-batch {st.micro_batch}, tp {st.tp}{sp}, "
-                f"{st.dtype} not measured: roofline used"
+                f"{st.dtype}, {how} not measured: roofline used"
             )
         if measured.dtype != st.dtype:
             notes.append(f"optimizer not measured for {st.dtype}: HBM-bandwidth model used")

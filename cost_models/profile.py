@@ -17,28 +17,18 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from autopar.cost_models.kernels import (
+    OpCost,
+    elem_bytes_of,
+    fusion_groups,
+    node_elem_bytes,
+    numel,
+    op_cost,
+    shape_of,
+)
 from autopar.errors import AutoparError
 from autopar.graph import CapturedModel
-from autopar.graph.dispatch import fused_attention, numbered
-
-
-@dataclass(frozen=True, kw_only=True)
-class OpCost:
-    """One kernel of the forward pass."""
-
-    flops: int
-    """Forward FLOPs (split by TP)."""
-    kernel_flops: int
-    """Forward FLOPs the kernel executes (``autopar.kernel_flops``: a causal flash attention
-    skips about half of ``flops``); time is priced from these."""
-    mem_bytes: int
-    """Bytes read and written."""
-    stream: bool
-    """An op on the residual stream (b, s, h) with no FLOPs (norm, residual add):
-    replicated by tensor parallelism, split by sequence parallelism."""
-    attention: bool = False
-    """A fused attention kernel (``graph.dispatch.fused_attention``): priced at the device's
-    attention efficiency, its backward at ``compute.FLASH_BACKWARD_RATIO`` × its forward."""
+from autopar.graph.dispatch import numbered
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +81,10 @@ class LayerCost:
     """Bytes of the row-parallel outputs that TP all-reduces in forward (e.g. 2 per block)."""
     tp_reduce_count: int
     """How many row-parallel outputs (collectives) those bytes come in (e.g. 2 per block)."""
+    fused_ops: tuple[OpCost, ...] = ()
+    """Forward kernels as ``torch.compile`` fuses them (``fusion_groups``): each matmul or fused
+    attention as in ``ops``, each chain of FLOP-free ops between them as one kernel. Empty for
+    hand-built profiles (a compiled plan is then priced on ``ops``)."""
     calls: tuple[CallCost, ...] = ()
     """The forward's ATen calls that move bytes or compute, in order (empty for hand-built
     profiles): priced by per-operator recompute policies (``cost_models.recompute``)."""
@@ -190,7 +184,7 @@ class ModelProfile:
             hidden=h,
             heads=cap.attention_heads,
             vocab=vocab,
-            act_bytes=_elem_bytes_of(dtype),
+            act_bytes=elem_bytes_of(dtype),
             layer_types=types,
             layers=tuple(layer.type for layer in cap.layers),
             layer_names=tuple(layer.name for layer in cap.layers),
@@ -204,25 +198,10 @@ def _stream_dtype(gm: fx.GraphModule, h: int) -> str:
     first computing node's, else bf16)."""
     for n in gm.graph.nodes:
         feeds = any(u.meta.get("autopar.layer") == 1 for u in n.users)
-        if n.meta.get("autopar.layer") == 0 and feeds and _shape(n)[-1:] == (h,):
+        if n.meta.get("autopar.layer") == 0 and feeds and shape_of(n)[-1:] == (h,):
             return str(n.meta.get("autopar.dtype", "bfloat16"))
     computing = (n.meta["autopar.dtype"] for n in gm.graph.nodes if n.meta.get("autopar.fwd_flops"))
     return next(computing, "bfloat16")
-
-
-def _elem_bytes_of(dtype: str) -> int:
-    """Bytes per element of a dtype named as ``autopar.dtype`` (``float32``, ``bfloat16``)."""
-    return {"float64": 8, "float32": 4, "int64": 8, "int32": 4}.get(dtype, 2)
-
-
-def _shape(n: fx.Node) -> tuple[int, ...]:
-    return tuple(n.meta.get("autopar.shape", ()))
-
-
-def is_stream_op(n: fx.Node, h: int | None) -> bool:
-    """An operator on the residual stream (``OpCost.stream``): no FLOPs, an output (…, h)."""
-    shape = _shape(n)
-    return not n.meta.get("autopar.fwd_flops", 0) and len(shape) >= 2 and shape[-1] == h
 
 
 def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) -> LayerCost:
@@ -231,22 +210,17 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
     for n in members:
         if n.op != "call_function":
             continue
-        shape, flops = _shape(n), int(n.meta.get("autopar.fwd_flops", 0))
+        shape, flops = shape_of(n), int(n.meta.get("autopar.fwd_flops", 0))
         mem = int(n.meta.get("autopar.mem_bytes", 0))
-        is_stream = is_stream_op(n, h)
         if flops or mem:
-            kernel = int(n.meta.get("autopar.kernel_flops", flops))
-            attention = fused_attention(n)
-            ops.append(
-                OpCost(flops=flops, kernel_flops=kernel, mem_bytes=mem, stream=is_stream, attention=attention)
-            )
-        if any(_is_square(_shape(a), s) for a in (n, *n.all_input_nodes)):
+            ops.append(op_cost(n, h))
+        if any(_is_square(shape_of(a), s) for a in (n, *n.all_input_nodes)):
             quad_f += flops  # QKᵀ and scores·V: what selective recompute redoes
         # Megatron TP: a matmul with a weight that writes the residual width h is row-parallel
         # (its input is sharded, its output all-reduced); the others are column-parallel.
         row_parallel = bool(flops) and shape[-1:] == (h,) and _reads_weight(n) and _sharded_input(n, h)
         if row_parallel:
-            tp_bytes += _numel(shape) * _elem_bytes(n)
+            tp_bytes += numel(shape) * node_elem_bytes(n)
             tp_count += 1
         placements.append((n, _placement(shape, flops, h, row_parallel)))
         # Saved tensors on the residual stream stay whole under TP: the inputs of norms and
@@ -271,6 +245,7 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
         quadratic_flops=quad_f,
         tp_reduce_bytes=tp_bytes,
         tp_reduce_count=tp_count,
+        fused_ops=fusion_groups(members, h),
         calls=_calls(placements),
         **_matrices(members),
     )
@@ -279,7 +254,7 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
 def _matrices(members: list[fx.Node]) -> dict[str, int]:
     """``LayerCost.matrix_params`` and ``matrix_sides`` of a layer's parameters (its get_attr
     nodes that read parameter bytes)."""
-    shapes = [_shape(n) for n in members if n.op == "get_attr" and n.meta.get("autopar.param_bytes")]
+    shapes = [shape_of(n) for n in members if n.op == "get_attr" and n.meta.get("autopar.param_bytes")]
     matrices = [sh for sh in shapes if len(sh) >= 2]
     return {
         "matrix_params": sum(math.prod(sh) for sh in matrices),
@@ -347,23 +322,15 @@ def _sharded_input(n: fx.Node, h: int) -> bool:
         inputs = [x for x in a.all_input_nodes if x.op != "get_attr"]
         if len(inputs) != 1 or len(inputs) != len(a.all_input_nodes):
             break
-        if _numel(_shape(inputs[0])) != _numel(_shape(a)):
+        if numel(shape_of(inputs[0])) != numel(shape_of(a)):
             break
         a = inputs[0]
-    shape = _shape(a) if a is not None else ()
+    shape: tuple[int, ...] = shape_of(a) if a is not None else ()
     return bool(shape) and (shape[-1] != h or len(shape) >= 4)
 
 
 def _reads_weight(n: fx.Node) -> bool:
     return any(a.op == "get_attr" for a in n.all_input_nodes)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def _elem_bytes(n: fx.Node) -> int:
-    return _elem_bytes_of(str(n.meta.get("autopar.dtype")))
 
 
 def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile:
@@ -385,16 +352,8 @@ def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile
         assert len(a.ops) == len(c.ops), name
         types[name] = LayerCost(
             name=name,
-            ops=tuple(
-                OpCost(
-                    flops=lin(x.flops, y.flops),
-                    kernel_flops=lin(x.kernel_flops, y.kernel_flops),
-                    mem_bytes=lin(x.mem_bytes, y.mem_bytes),
-                    stream=x.stream,
-                    attention=x.attention,
-                )
-                for x, y in zip(a.ops, c.ops, strict=True)
-            ),
+            ops=_ops_at(a.ops, c.ops, lin),
+            fused_ops=_ops_at(a.fused_ops, c.fused_ops, lin),
             fwd_flops=lin(a.fwd_flops, c.fwd_flops),
             bwd_flops=lin(a.bwd_flops, c.bwd_flops),
             params=a.params,
@@ -409,6 +368,30 @@ def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile
             matrix_sides=a.matrix_sides,
         )
     return dataclasses.replace(one, micro_batch=b, layer_types=types)
+
+
+def _ops_at(
+    one: tuple[OpCost, ...], two: tuple[OpCost, ...], lin: Callable[[float, float], int]
+) -> tuple[OpCost, ...]:
+    """Kernels at micro-batch b from the same kernels at 1 and 2 (affine in b); where the two
+    captures' kernels differ in number, those at 2 scaled by b/2."""
+    if len(one) != len(two):
+        one = tuple(
+            dataclasses.replace(
+                y, flops=y.flops // 2, kernel_flops=y.kernel_flops // 2, mem_bytes=y.mem_bytes // 2
+            )
+            for y in two
+        )
+    return tuple(
+        OpCost(
+            flops=lin(x.flops, y.flops),
+            kernel_flops=lin(x.kernel_flops, y.kernel_flops),
+            mem_bytes=lin(x.mem_bytes, y.mem_bytes),
+            stream=x.stream,
+            attention=x.attention,
+        )
+        for x, y in zip(one, two, strict=True)
+    )
 
 
 def _calls_at(

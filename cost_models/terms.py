@@ -262,13 +262,26 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     t, sp = st.tp, st.sequence_parallel
     lc = profile.layer_types[name]
     got = (
-        measured.timing(name, micro_batch=st.micro_batch, seq=st.seq, tp=t, sp=sp, dtype=st.dtype)
+        measured.timing(
+            name,
+            micro_batch=st.micro_batch,
+            seq=st.seq,
+            tp=t,
+            sp=sp,
+            dtype=st.dtype,
+            compiled=st.compile == "block",
+        )
         if measured
         else None
     )
     chosen = tp_layout.get(name) if tp_layout and t > 1 else None
     share = chosen.stream_share if chosen is not None else None
-    fwd = got.forward_s if got else layer_forward_s(lc, ctx.device, st.dtype, tp=t, sp=sp, stream_share=share)
+    compiled = st.compile == "block"
+    fwd = (
+        got.forward_s
+        if got
+        else layer_forward_s(lc, ctx.device, st.dtype, tp=t, sp=sp, stream_share=share, compiled=compiled)
+    )
     tp_fwd, tp_bwd = _tp_phases_s(ctx, name, lc, chosen)
     redo_s, act, redo_flops = _redone(ctx, lc, choice, fwd, stream_share=share, measured=got)
     whole_block = choice == "full" or st.policy(choice) is not None  # its forward's collectives again

@@ -39,7 +39,7 @@ from autopar.cost_models.comm import (
     reduce_scatter_time_s,
 )
 from autopar.cost_models.compute import FLASH_BACKWARD_RATIO
-from autopar.cost_models.profile import is_stream_op
+from autopar.cost_models.kernels import is_stream_op
 from autopar.cost_models.terms import TPLayer, TPLayout
 from autopar.graph import CapturedModel, Layer
 from autopar.graph.dispatch import fused_attention

@@ -14,7 +14,14 @@ from rich.console import Console
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.request import Constraints
-from autopar.strategy import ALLOWED_RECOMPUTE, GRAD_REDUCE, SCHEDULES, TP_OBJECTIVES, is_recompute_name
+from autopar.strategy import (
+    ALLOWED_RECOMPUTE,
+    COMPILE,
+    GRAD_REDUCE,
+    SCHEDULES,
+    TP_OBJECTIVES,
+    is_recompute_name,
+)
 
 MODEL_HELP = "zoo name, path/to/file.py:factory or pkg.mod:factory"
 CLUSTER_HELP = "preset name (see `autopar clusters`) or YAML file"
@@ -100,6 +107,7 @@ def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
     add_bucket_flag(
         g, "fix DDP's gradient bucket cap in MiB on plans that run on DDP (default: the planner picks)"
     )
+    add_compile_flag(g, auto=True)
     g.add_argument(
         "--allow-lossy-comm",
         action="store_true",
@@ -127,6 +135,20 @@ def add_powersgd_flag(g: Any, help_text: str, default: int | None = None) -> Non
 def add_bucket_flag(g: Any, help_text: str, default: float | None = None) -> None:
     """--bucket-mb: DDP's gradient bucket cap (``Strategy.bucket_mb``)."""
     g.add_argument("--bucket-mb", type=positive_float, default=default, help=help_text)
+
+
+def add_compile_flag(g: Any, *, auto: bool) -> None:
+    """--compile: eager, or each block compiled by torch.compile (``Strategy.compile``); with
+    ``auto`` (the planner's flags) also ``auto``: the planner prices both."""
+    choices = [*COMPILE, "auto"] if auto else list(COMPILE)
+    g.add_argument(
+        "--compile",
+        choices=choices,
+        default="off",
+        help="off: eager kernels; block: torch.compile each block (fused kernels priced)"
+        + ("; auto: the planner picks" if auto else "")
+        + " (default off)",
+    )
 
 
 def add_measured_flags(p: argparse.ArgumentParser) -> None:
@@ -158,6 +180,7 @@ def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Constraints
         dp_replicate=args.dp_replicate,
         powersgd_rank=args.powersgd_rank,
         bucket_mb=args.bucket_mb,
+        compile=None if args.compile == "auto" else args.compile,
         allow_lossy_comm=args.allow_lossy_comm,
         **extra,
     )

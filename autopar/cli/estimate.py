@@ -15,6 +15,7 @@ from autopar.cli.common import (
     DTYPES,
     MODEL_HELP,
     add_bucket_flag,
+    add_compile_flag,
     add_grad_reduce_flag,
     add_json_flag,
     add_measured_flags,
@@ -99,6 +100,7 @@ def _add_comm_flags(p: argparse.ArgumentParser) -> None:
     add_bucket_flag(
         p, f"DDP's gradient bucket cap in MiB on a DDP plan (default {DDP_BUCKET_MB:g})", DDP_BUCKET_MB
     )
+    add_compile_flag(p, auto=False)
     p.add_argument(
         "--dp-replicate",
         type=positive,
@@ -197,6 +199,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         dp_replicate=args.dp_replicate,
         powersgd_rank=args.powersgd_rank,
         bucket_mb=args.bucket_mb,
+        compile=args.compile,
     )
     if strategy.world_size != cluster.world_size:  # before the capture: say it at once
         check_strategy(strategy, world_size=cluster.world_size, blocks=10**9, heads=None)
@@ -232,6 +235,7 @@ def _print_estimate(console: Console, model: str, cluster: Any, st: Any, est: An
         f"{f', HSDP {st.dp_replicate} × {st.dp_shard}' if st.dp_replicate > 1 else ''}"
         f"{f', PowerSGD rank {st.powersgd_rank}' if st.powersgd_rank else ''}"
         f"{f', DDP buckets of {st.bucket_mb:g} MiB' if st.uses_ddp else ''}"
+        f"{', blocks compiled' if st.compile == 'block' else ''}"
     )
     table = Table(title="step time", show_edge=False, title_justify="left")
     table.add_column("term")

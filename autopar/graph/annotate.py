@@ -186,6 +186,7 @@ class _CostInterpreter(fx.Interpreter):
         n.meta["autopar.saved_bytes"] = sum(nbytes for _, nbytes in self.node_saved)
         n.meta["autopar.saved"] = tuple(self.node_saved)
         n.meta["autopar.mem_bytes"] = 0 if _is_view(n) else _mem_bytes(n, out, self.env)
+        n.meta["autopar.out_bytes"] = _nbytes(out)
         n.meta["autopar.param_bytes"] = _param_bytes(first) if is_param else 0
         return out
 

@@ -18,7 +18,7 @@ from autopar.strategy import RecomputePolicy, Strategy
 class Pricer:
     """``estimate(strategy)`` and the linear ``terms(strategy)`` the layout ILP solves over, for
     one model (its ``ModelProfiles``) on one cluster; the per-layer units of each (tp, sp, TP
-    objective, micro-batch) are built once."""
+    objective, micro-batch, compile) are built once."""
 
     def __init__(
         self,
@@ -58,7 +58,7 @@ class Pricer:
     def terms(self, st: Strategy) -> Terms:
         """The linear terms of ``st``'s outer knobs (``cost_models.terms``)."""
         prof = self.profiles.at(st.micro_batch)
-        key = (st.tp, st.sequence_parallel, st.tp_objective, st.micro_batch, st.policies)
+        key = (st.tp, st.sequence_parallel, st.tp_objective, st.micro_batch, st.policies, st.compile)
         if key not in self._units:
             self._units[key] = layer_units(prof, self.cluster, st, self.layouts(st))
         return build_terms(prof, self.cluster, st, units=self._units[key], reserve_bytes=self.reserve_bytes)

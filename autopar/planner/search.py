@@ -156,6 +156,7 @@ def outer_strategies(
             if c.sequence_parallel is not None
             else ([False, True] if tp > 1 else [False])
         )
+        compiles = [c.compile] if c.compile is not None else ["off", "block"]
         zeros = [c.zero] if c.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
         # micro-batch sizes up to the largest tried (not every divisor of a huge batch)
         sizes = [c.micro_batch] if c.micro_batch else range(1, min(per_replica, c.max_micro_batch) + 1)
@@ -163,7 +164,8 @@ def outer_strategies(
             if b > c.max_micro_batch or per_replica % b:
                 continue
             schedules = _schedules(c, pp=pp, micro_batches=per_replica // b, blocks=blocks)
-            for (schedule, v), sp, zero in ((s, sp, z) for s in schedules for sp in sps for z in zeros):
+            knobs = ((s, sp, z, k) for s in schedules for sp in sps for z in zeros for k in compiles)
+            for (schedule, v), sp, zero, compiled in knobs:
                 if (sp and tp == 1) or not runs_with_zero(schedule, zero):
                     continue
                 out.extend(
@@ -184,6 +186,7 @@ def outer_strategies(
                         dp_replicate=replicas,
                         powersgd_rank=rank,
                         bucket_mb=bucket,
+                        compile=compiled,
                         policies=policies,
                     )
                     for reduce, replicas, rank, bucket in comm_knobs(request, tp=tp, pp=pp, dp=dp, zero=zero)
@@ -203,7 +206,12 @@ def measured_first(cluster: Cluster, strategies: list[Strategy]) -> list[Strateg
         s
         for s in strategies
         if measured.covers(
-            micro_batch=s.micro_batch, seq=s.seq, tp=s.tp, sp=s.sequence_parallel, dtype=s.dtype
+            micro_batch=s.micro_batch,
+            seq=s.seq,
+            tp=s.tp,
+            sp=s.sequence_parallel,
+            dtype=s.dtype,
+            compiled=s.compile == "block",
         )
     ]
     return kept or strategies

@@ -2,14 +2,14 @@
 every plan runs through (a degree of 1 skips its step):
 
     capture → tensor-parallel pass → loss split → stage split → outline blocks → recompute
-            → data parallel (DDP / ZeRO-1 / FSDP2) → allocate → optimizers → schedule
+            → compile blocks → data parallel (DDP / ZeRO-1 / FSDP2) → allocate → optimizers → schedule
 
 Only torch.distributed does the work: DeviceMesh, DTensor, DDP and ``ZeroRedundancyOptimizer``,
 FSDP2 ``fully_shard`` with mixed precision, ``checkpoint_wrapper``, ``torch.distributed.
 pipelining`` schedules, and DCP for checkpoints (``ParallelModel.state_dict``). The runtime
 never plans: ``autopar.parallelize`` plans first when it is given a cluster.
 
-    steps.py       capture, TP pass, stage split, outlining, recompute, tied parameters
+    steps.py       capture, TP pass, stage split, outlining, recompute, compile, tied parameters
     sharding.py    mesh, mixed precision, DDP / ZeRO-1 / FSDP2, allocation, optimizers
     schedules.py   the micro-batch loop (pp = 1) or the pipeline schedule
     model.py       ParallelModel: train_step, eval_step, checkpoint state
@@ -49,6 +49,7 @@ from autopar.runtime.sharding import (
 from autopar.runtime.state import fqn
 from autopar.runtime.steps import (
     apply_capture,
+    apply_compile,
     apply_loss_split,
     apply_outline_blocks,
     apply_pipeline_split,
@@ -93,13 +94,13 @@ def parallelize(
     apply_pipeline_split(stages, plan, mesh)
     apply_outline_blocks(stages)
     apply_recompute(stages, plan)
+    apply_compile(stages, plan)
     tied = apply_tied_groups(stages, plan, mesh)
     fsdp = apply_data_parallel(stages, plan, mesh, half)
     apply_materialize(stages, on_meta)
     kwargs = optimizer_kwargs if optimizer_kwargs is not None else {"lr": 1e-3}
     optimizer = apply_optimizer(stages, plan, optimizer_cls, kwargs)
-    if stages.loss_graph is not None:  # the model's own loss, on the last stage's outputs
-        loss_fn = tail_loss(stages.loss_graph, stages.loss_kept)
+    loss_fn = tail_loss(stages.loss_graph, stages.loss_kept) if stages.loss_graph is not None else loss_fn
     loss_fn = whole_logits(loss_fn) if st.tp > 1 else loss_fn
     schedule = apply_schedule(stages, plan, mesh, loss_fn)
     params = {fqn(n): p for s in stages.ordered for n, p in s.named_parameters()}

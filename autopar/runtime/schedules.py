@@ -115,7 +115,10 @@ class PipelineSchedule:
 
     def _run(self, runner: Runner, run: Callable[..., Any], batch: torch.Tensor) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
-        with runner.precision():
+        # torch's schedules run each backward as input gradients with retain_graph=True, then
+        # weight gradients: a compiled block (``Strategy.compile``) must not donate its saved
+        # buffers to the first (AOT autograd's check, read when compiling and in backward)
+        with runner.precision(), torch._functorch.config.patch(donated_buffer=False):
             inputs, kwargs = runner.objective.inputs(batch)  # (own loss: its targets go to the last stage)
             target = next(iter(kwargs.values()), batch)
             run(*(inputs if self.first else ()), target=target if self.last else None, losses=losses)

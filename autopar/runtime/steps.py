@@ -1,5 +1,5 @@
 """The graph-side steps of ``parallelize``: capture, tensor-parallel pass, stage split, block
-outlining, recomputation, and the parameters several pipeline ranks share.
+outlining, recomputation, regional compilation, and the parameters several pipeline ranks share.
 
 Each step takes the ``Stages`` the one before made and skips itself where its degree is 1: with
 tp = pp = 1 the model is not captured and runs as written (one stage: the model itself); with
@@ -17,6 +17,7 @@ from torch import fx, nn
 from autopar.graph import CapturedModel
 from autopar.graph.meta import capture_with_meta_parameters
 from autopar.graph.objective import Objective
+from autopar.passes.compile import compile_blocks
 from autopar.passes.loss_split import split_loss
 from autopar.passes.pipeline_split import fill_layers, outline_blocks, split_stages, stage_chunks
 from autopar.passes.recompute import recompute
@@ -129,6 +130,15 @@ def apply_recompute(stages: Stages, plan: Plan) -> None:
         recompute(module, plan.recompute, plan.strategy.policies)
 
 
+def apply_compile(stages: Stages, plan: Plan) -> None:
+    """compile = block: each block this rank holds compiled in place by ``torch.compile``
+    (``passes.compile``), after recompute wrapping, before data-parallel sharding."""
+    if plan.strategy.compile == "off":
+        return
+    for module in stages.modules.values():
+        compile_blocks(module, plan.recompute)
+
+
 # ---- parameters on several pipeline ranks ---------------------------------------------------
 
 
@@ -205,6 +215,7 @@ __all__ = [
     "Stages",
     "TiedGroup",
     "apply_capture",
+    "apply_compile",
     "apply_outline_blocks",
     "apply_pipeline_split",
     "apply_recompute",
