@@ -7,17 +7,18 @@
 2. profile against the cost model: every layer type measured as `autopar profile` measures it
    (CUDA events, the cache flush, saved-tensor hooks, allocator peaks) next to the roofline
    the cluster preset prices it with;
-3. world-1 plans with recompute none, selective and full, run by the runtime (NCCL on a GPU,
-   gloo on the CPU): measured step time (median after warm-up) and peak memory (the CUDA
-   allocator; on the CPU peak RSS, which only grows) against the plan's prediction, from the
-   preset and from the profile of step 2;
+3. world-1 plans with recompute none, selective and full, and none with each block compiled
+   (``--compile block``: inductor), run by the runtime (NCCL on a GPU, gloo on the CPU):
+   measured step time (median after warm-up) and peak memory (the CUDA allocator; on the CPU
+   peak RSS, which only grows) against the plan's prediction, from the preset and from the
+   profile of step 2 (its blocks profiled compiled too, for the compiled plan); the compiled
+   plan's step over the eager one's, measured and predicted;
 4. the same training as a plain eager loop (same model, tokens, AdamW, autocast): autopar's
    tokens/s over the loop's;
 5. `autopar profile-comm` needs two ranks: not run on one device.
 
-Not yet here: compiled plans (no compile knob in the plan yet). Prints a table per section and
-a summary line; ``--json FILE`` writes every figure. Exit status 1 only when a step failed to
-run: predictions are reported, not judged.
+Prints a table per section and a summary line; ``--json FILE`` writes every figure. Exit
+status 1 only when a step failed to run: predictions are reported, not judged.
 """
 
 from __future__ import annotations
@@ -114,26 +115,35 @@ def join_world_of_one() -> None:
     autopar.init_distributed()
 
 
-def profile_vs_analytic(spec: str, cluster: autopar.Cluster, device: str) -> tuple[Any, list[dict[str, Any]]]:
-    """Section 2: every layer type measured, next to the preset's roofline prices."""
+def profile_vs_analytic(
+    spec: str, cluster: autopar.Cluster, device: str
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Section 2: every layer type measured, eager and with its blocks compiled, next to the
+    preset's roofline prices (a compiled block's: its fused kernels)."""
     from autopar.cost_models.terms import build_terms
     from autopar.measure.profile import profile_compute
     from autopar.planner import ModelProfiles
 
     sz = size()
     b, seq, dtype = sz["micro_batch"], sz["cfg"].block_size, sz["dtype"]
-    measured = profile_compute(spec, batches=(b,), seq=seq, dtype=dtype, device=device)
+    measured = {
+        compiled: profile_compute(
+            spec, batches=(b,), seq=seq, dtype=dtype, device=device, compiled=compiled == "block"
+        )
+        for compiled in ("off", "block")
+    }
     profile = ModelProfiles.of(model(), dtype=dtype, seq=seq).at(b)
-    st = Strategy(micro_batch=b, global_batch=b, seq=seq, dtype=dtype)
-    terms = build_terms(profile, cluster, st)
     rows = []
-    for name in profile.layer_types:
+    for compiled, name in ((c, n) for c in ("off", "block") for n in profile.layer_types):
+        st = Strategy(micro_batch=b, global_batch=b, seq=seq, dtype=dtype, compile=compiled)
+        terms = build_terms(profile, cluster, st)
         unit = {"embed": terms.embed, "head": terms.head}.get(name, terms.block["none"])
-        got = measured.timing(name, micro_batch=b, seq=seq, tp=1, sp=False, dtype=dtype)
+        kw = {"micro_batch": b, "seq": seq, "tp": 1, "sp": False, "dtype": dtype}
+        got = measured[compiled].timing(name, **kw, compiled=compiled == "block")
         assert got is not None, name
         rows.append(
             {
-                "layer": name,
+                "layer": name if compiled == "off" else f"{name} (compiled)",
                 "forward_s": got.forward_s,
                 "predicted_forward_s": unit.fwd_s,
                 "backward_s": got.backward_s,
@@ -152,19 +162,26 @@ def tokens(steps: int) -> torch.Tensor:
     return torch.randint(0, sz["cfg"].vocab_size, shape, generator=torch.Generator().manual_seed(1))
 
 
+PLANS = (("none", "off"), ("selective", "off"), ("full", "off"), ("none", "block"))
+"""(recompute, compile) of each world-1 plan run."""
+
+
 def world_one_plans(
-    cluster: autopar.Cluster, measured: Any, device: str, steps: int, warmup: int
+    cluster: autopar.Cluster, measured: dict[str, Any], device: str, steps: int, warmup: int
 ) -> list[dict[str, Any]]:
-    """Section 3: each recompute choice planned for one device and run by the runtime."""
+    """Section 3: each plan of ``PLANS`` planned for one device and run by the runtime;
+    ``measured``: the compute profile by compile choice."""
     sz = size()
     data, rows = tokens(warmup + steps), []
-    for recompute in ("none", "selective", "full"):
+    for recompute, compiled in PLANS:
         cons = autopar.Constraints(
-            tp=1, pp=1, dp=1, zero=0, micro_batch=sz["micro_batch"], recompute=(recompute,)
+            tp=1, pp=1, dp=1, zero=0, micro_batch=sz["micro_batch"], recompute=(recompute,), compile=compiled
         )
         kw = {"global_batch": sz["global_batch"], "seq_len": sz["cfg"].block_size, "dtype": sz["dtype"]}
         plan = autopar.plan(model(), cluster, constraints=cons, **kw)
-        profiled = autopar.plan(model(), cluster.from_profile(compute=measured), constraints=cons, **kw)
+        profiled = autopar.plan(
+            model(), cluster.from_profile(compute=measured[compiled]), constraints=cons, **kw
+        )
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -176,6 +193,7 @@ def world_one_plans(
         rows.append(
             {
                 "recompute": recompute,
+                "compile": compiled,
                 "step_s": statistics.median(times[warmup:]),
                 "predicted_step_s": plan.predicted["step_time_s"],
                 "profiled_step_s": profiled.predicted["step_time_s"],
@@ -221,10 +239,10 @@ def show(results: dict[str, Any]) -> None:
             f"{1e3 * r['backward_s']:8.3f} ({1e3 * r['predicted_backward_s']:8.3f})  "
             f"{r['saved_bytes'] / 2**20:9.2f} ({r['predicted_saved_bytes'] / 2**20:9.2f})  {peak}"
         )
-    print("\nrecompute  step s   predicted (preset / profiled)  peak GiB (predicted)")
+    print("\nrecompute  compile  step s   predicted (preset / profiled)  peak GiB (predicted)")
     for r in results["plans"]:
         print(
-            f"{r['recompute']:9s} {r['step_s']:7.4f}  {r['predicted_step_s']:7.4f} / "
+            f"{r['recompute']:9s}  {r['compile']:6s} {r['step_s']:7.4f}  {r['predicted_step_s']:7.4f} / "
             f"{r['profiled_step_s']:7.4f}          {r['peak_bytes'] / gib:6.2f} "
             f"({r['predicted_peak_bytes'] / gib:6.2f})"
         )
@@ -232,6 +250,11 @@ def show(results: dict[str, Any]) -> None:
     print(
         f"\neager loop {e['step_s']:.4f} s/step; autopar (recompute none) {e['autopar_step_s']:.4f} s/step: "
         f"autopar tokens/s ÷ eager tokens/s = {e['ratio']:.3f}"
+    )
+    c = results["compiled"]
+    print(
+        f"compiled / eager step (recompute none): measured {c['measured']:.3f}, predicted "
+        f"{c['predicted']:.3f} (preset), {c['profiled']:.3f} (profiled)"
     )
     print("profile-comm: needs two ranks, not run on one device")
 
@@ -263,6 +286,11 @@ def main() -> int:
     eager = eager_loop(args.device, steps, warmup)
     mine = results["plans"][0]["step_s"]
     results["eager"] = {"step_s": eager, "autopar_step_s": mine, "ratio": eager / mine}
+    plain, compiled = results["plans"][0], results["plans"][-1]
+    results["compiled"] = {
+        key: compiled[f"{k}step_s"] / plain[f"{k}step_s"]
+        for key, k in (("measured", ""), ("predicted", "predicted_"), ("profiled", "profiled_"))
+    }
     show(results)
     if args.json:
         with open(args.json, "w") as f:

@@ -269,14 +269,14 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
             tp=t,
             sp=sp,
             dtype=st.dtype,
-            compiled=st.compile == "block",
+            compiled=st.compile == "block",  # a compiled profile times the embedding and head eager
         )
         if measured
         else None
     )
     chosen = tp_layout.get(name) if tp_layout and t > 1 else None
     share = chosen.stream_share if chosen is not None else None
-    compiled = st.compile == "block"
+    compiled = st.compile == "block" and name not in ("embed", "head")  # the blocks are compiled
     fwd = (
         got.forward_s
         if got

@@ -27,8 +27,8 @@ BACKEND = "inductor"
 
 
 def compile_blocks(module: nn.Module, blocks: Iterable[str], *, backend: str = BACKEND) -> list[str]:
-    """Compile in place each of ``blocks`` (paths) that ``module`` holds; returns those compiled
-    (a pipeline stage holds only its own)."""
+    """Compile in place each of ``blocks`` (paths; ``""``: ``module`` itself) that ``module``
+    holds; returns those compiled (a pipeline stage holds only its own)."""
     done = []
     for name in blocks:
         if has_submodule(module, name):

@@ -55,6 +55,11 @@ def add_parsers(sub: Any) -> None:
         help="also profile widths > 1 with sequence parallelism (default on)",
     )
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="training dtype")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="time each block compiled by torch.compile (prices plans with --compile block)",
+    )
     p.add_argument("--warmup", type=positive, default=2, help="untimed iterations (default 2)")
     p.add_argument("--repeat", type=positive, default=5, help="timed iterations, median kept (default 5)")
     p.add_argument(
@@ -117,6 +122,7 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
             repeat=args.repeat,
             device=device,
             progress=update,
+            compiled=args.compile,
         )
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun every rank measures at once (shared caches and memory bandwidth)
@@ -126,7 +132,8 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
         return
     console.print(
         f"{args.model} on {profile.device} ({profile.threads} threads, torch {profile.torch_version}), "
-        f"seq {seq}, {args.dtype}, median of {args.repeat} after {args.warmup} warm-up"
+        f"seq {seq}, {args.dtype}{', blocks compiled' if profile.compiled else ''}, median of "
+        f"{args.repeat} after {args.warmup} warm-up"
     )
     table = Table(show_edge=False)
     for col in ("layer type", "micro-batch", "tp", "sp", "forward", "backward", "bwd/fwd", "saved"):

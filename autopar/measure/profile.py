@@ -33,6 +33,7 @@ from autopar.graph.objective import LOGITS, Objective, objective_of
 from autopar.measure.saved import call_bytes
 from autopar.measure.timing import forward_once, next_token_loss, optimizer_s_per_param, time_layer
 from autopar.measurements import ComputeProfile, LayerTiming
+from autopar.passes.compile import compile_blocks
 from autopar.passes.loss_split import split_loss
 from autopar.planner.profiles import ModelProfiles
 from autopar.request import Constraints, PlanRequest
@@ -157,6 +158,8 @@ class _Session:
     repeat: int
     total: int
     progress: Progress | None
+    compiled: bool = False
+    """Blocks timed compiled (``torch.compile``, as a plan with ``compile = block`` runs them)."""
     barrier: RankBarrier = dataclasses.field(default_factory=RankBarrier)
     done: int = 0
 
@@ -195,7 +198,9 @@ class _Session:
                 call_bytes(functools.partial(forward_once, stage, inputs, self.half))
                 if role == "block"
                 else {}
-            )
+            )  # eager ATen calls: what a per-operator recompute policy keeps
+            if role == "block" and self.compiled:  # compiled in the first warm-up iteration
+                compile_blocks(stage, [""])
             parts, inputs = time_layer(
                 stage,
                 inputs,
@@ -304,9 +309,11 @@ def profile_compute(
     repeat: int = 5,
     device: str = "cpu",
     progress: Progress | None = None,
+    compiled: bool = False,
 ) -> ComputeProfile:
     """Measure every layer type of MODEL ``spec`` (see the module doc). With
-    ``sequence_parallel`` each width > 1 is measured with and without it."""
+    ``sequence_parallel`` each width > 1 is measured with and without it; ``compiled``: each
+    block compiled by ``torch.compile`` (``passes.compile``; the embedding and head eager)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise AutoparError("--device cuda: no CUDA device is visible; use --device cpu")
     dev = torch.device(device)
@@ -331,6 +338,7 @@ def profile_compute(
         repeat=repeat,
         total=len(jobs) * 3 + 1 + any(t > 1 for t in tp_widths),
         progress=progress,
+        compiled=compiled,
     )
     timings, opt = _measure_widths(
         run, model, profiles, jobs, kinds, first_batch=batches[0], seq=seq, dtype=dtype
@@ -351,6 +359,7 @@ def profile_compute(
         layers=tuple(timings),
         optimizer_s_per_param=opt[1],
         optimizer_dtensor_s_per_param=next((v for w, v in opt.items() if w > 1), None),
+        compiled=compiled,
     )
 
 

@@ -1,6 +1,6 @@
 """Fusion-aware compute pricing of compiled blocks (``Strategy.compile = "block"``): each chain
 of FLOP-free ops between matmuls is one kernel moving the bytes that enter and leave the chain
-(``cost_models.profile.fusion_groups``), hand-computed; eager plans keep the per-op pricing."""
+(``cost_models.kernels.fusion_groups``), hand-computed; eager plans keep the per-op pricing."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from autopar import Cluster
 from autopar.cost_models.compute import layer_forward_s
 from autopar.cost_models.estimate import estimate
 from autopar.cost_models.kernels import OpCost, fusion_groups
+from autopar.cost_models.terms import build_terms
 from autopar.planner import ModelProfiles
 from autopar.strategy import Strategy
 from autopar.zoo import GPT, GPTConfig
@@ -102,6 +103,11 @@ def test_compiled_plans_are_predicted_faster_and_eager_ones_unchanged(gpt) -> No
     compiled = estimate(gpt.at(1), cluster, dataclasses.replace(st, compile="block"))
     assert compiled.breakdown_s["compute"] < eager.breakdown_s["compute"]
     assert compiled.memory == eager.memory  # memory priced as eager
+    # only the blocks are compiled: the embedding and head are priced eager either way
+    eager_terms = build_terms(gpt.at(1), cluster, st)
+    compiled_terms = build_terms(gpt.at(1), cluster, dataclasses.replace(st, compile="block"))
+    assert compiled_terms.embed == eager_terms.embed and compiled_terms.head == eager_terms.head
+    assert compiled_terms.block["none"].fwd_s < eager_terms.block["none"].fwd_s
     hand_built = dataclasses.replace(gpt.at(1).layer_types["Block"], fused_ops=())
     h100 = cluster.device
     assert layer_forward_s(hand_built, h100, "bf16", tp=1, sp=False, compiled=True) == layer_forward_s(

@@ -198,3 +198,22 @@ def test_profile_an_unmodified_hugging_face_model(tmp_path) -> None:
     assert {(t.layer_type, t.tp) for t in prof.layers} == {
         (name, t) for name in ("embed", "GPT2Block", "head") for t in (1, 2)
     }
+
+
+def test_profile_compiled_blocks_prices_compiled_plans_only(work) -> None:
+    """``autopar profile --compile`` times each block compiled; plans that compile are priced on
+    those timings, eager plans on the roofline (with a note saying so)."""
+    spec, out = f"{work}/models.py:tiny", work / "compiled.json"
+    got = autopar(
+        "profile", spec, "--device", "cpu", "--dtype", "fp32", "--seq", str(SEQ), "--batch", "2",
+        "--warmup", "1", "--repeat", "2", "--threads", "1", "--compile", "--out", str(out),
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr[-2000:]
+    prof = load_compute(out)
+    assert prof.compiled and all(t.forward_s > 0 and t.backward_s > 0 for t in prof.layers)
+    plan = ["plan", spec, "--cluster", "cpu", "--global-batch", "4", "--seq", str(SEQ), "--dtype", "fp32"]
+    plan += ["--micro-batch", "2", "--profile", str(out), "--json"]
+    compiled = json.loads(autopar(*plan, "--compile", "block").stdout)["plan"]["predicted"]
+    eager = json.loads(autopar(*plan).stdout)["plan"]["predicted"]
+    assert not any("not measured" in n for n in compiled["notes"]), compiled["notes"]
+    assert any("eager not measured: roofline used" in n for n in eager["notes"]), eager["notes"]
