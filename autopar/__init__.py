@@ -6,18 +6,61 @@ by it, ``runtime`` trains it on torch.distributed, ``measure`` profiles, calibra
 verifies, ``cli`` is the command line. ``api`` puts planner and runtime together.
 """
 
-from autopar.api import parallelize, plan
-from autopar.cluster import Cluster, DeviceSpec, LinkSpec
-from autopar.errors import AutoparError, CaptureError, ClusterSpecError, InfeasibleError, ModelSpecError
-from autopar.graph import CapturedModel, capture
-from autopar.monitor import Metrics
-from autopar.plan import Plan
-from autopar.request import Constraints, PlanRequest
-from autopar.runtime import ParallelModel, init_distributed
-from autopar.runtime.checkpointer import Checkpointer
-from autopar.runtime.data import GlobalBatches
-from autopar.runtime.integrity import BrokenCheckpointError
-from autopar.zoo.spec import meta_parameters
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from autopar.api import parallelize, plan
+    from autopar.cluster import Cluster, DeviceSpec, LinkSpec
+    from autopar.errors import AutoparError, CaptureError, ClusterSpecError, InfeasibleError, ModelSpecError
+    from autopar.graph import CapturedModel, capture
+    from autopar.monitor import Metrics
+    from autopar.plan import Plan
+    from autopar.request import Constraints, PlanRequest
+    from autopar.runtime import ParallelModel, init_distributed
+    from autopar.runtime.checkpointer import Checkpointer
+    from autopar.runtime.data import GlobalBatches
+    from autopar.runtime.integrity import BrokenCheckpointError
+    from autopar.zoo.spec import meta_parameters
+
+_HOME = {
+    "parallelize": "autopar.api",
+    "plan": "autopar.api",
+    "Cluster": "autopar.cluster",
+    "DeviceSpec": "autopar.cluster",
+    "LinkSpec": "autopar.cluster",
+    "AutoparError": "autopar.errors",
+    "CaptureError": "autopar.errors",
+    "ClusterSpecError": "autopar.errors",
+    "InfeasibleError": "autopar.errors",
+    "ModelSpecError": "autopar.errors",
+    "CapturedModel": "autopar.graph",
+    "capture": "autopar.graph",
+    "Metrics": "autopar.monitor",
+    "Plan": "autopar.plan",
+    "Constraints": "autopar.request",
+    "PlanRequest": "autopar.request",
+    "ParallelModel": "autopar.runtime",
+    "init_distributed": "autopar.runtime",
+    "Checkpointer": "autopar.runtime.checkpointer",
+    "GlobalBatches": "autopar.runtime.data",
+    "BrokenCheckpointError": "autopar.runtime.integrity",
+    "meta_parameters": "autopar.zoo.spec",
+}
+"""Each public name → the module that defines it, imported on first use (PEP 562): the
+command line plans from a warm capture cache without importing torch."""
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
+
+if TYPE_CHECKING:
+    from torch import nn
+
 from autopar.strategy import (
     ALLOWED_RECOMPUTE,
     COMPILE,

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch.fx as fx
+from typing import TYPE_CHECKING
 
 from autopar.graph.dispatch import fused_attention
+
+if TYPE_CHECKING:
+    import torch.fx as fx
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
+from autopar import cache
 from autopar.strategy import V_SHAPE, Strategy
 
 
@@ -63,8 +64,15 @@ a whole backward, I its input-gradient part)."""
 @lru_cache(maxsize=64)
 def _v_orders(schedule: str, pp: int) -> tuple[tuple[Action, ...], ...]:
     """``torch_orders`` of a V schedule for 2·pp micro-batches, built once per process (the
-    planner prices hundreds of outer choices with the same depth)."""
-    return tuple(map(tuple, torch_orders(schedule, pp=pp, virtual=2, micro_batches=2 * pp)))
+    planner prices hundreds of outer choices with the same depth) and kept in the disk cache
+    (``autopar.cache``: building them imports torch's pipelining, seconds a warm plan saves)."""
+    key = {"schedule": schedule, "pp": pp}
+    hit = cache.load("orders", key)
+    if hit is not None:
+        return tuple(tuple((str(k), int(c), int(i)) for k, c, i in rank) for rank in hit)
+    orders = tuple(map(tuple, torch_orders(schedule, pp=pp, virtual=2, micro_batches=2 * pp)))
+    cache.store("orders", key, [[list(a) for a in rank] for rank in orders])
+    return orders
 
 
 def torch_orders(schedule: str, *, pp: int, virtual: int, micro_batches: int) -> list[list[Action]]:

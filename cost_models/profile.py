@@ -14,8 +14,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch.fx as fx
+from typing import TYPE_CHECKING, Any
 
 from autopar.cost_models.kernels import (
     OpCost,
@@ -27,8 +26,12 @@ from autopar.cost_models.kernels import (
     shape_of,
 )
 from autopar.errors import AutoparError
-from autopar.graph import CapturedModel
 from autopar.graph.dispatch import numbered
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+    from autopar.graph import CapturedModel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,6 +149,35 @@ class ModelProfile:
             layers=(self.layers[0], *[kind] * blocks, self.layers[-1]),
             layer_names=(self.layer_names[0], *(f"{prefix}{i}" for i in range(blocks)), self.layer_names[-1]),
             total_params=self.total_params + added * self.layer_types[kind].params,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (the graph left out); ``ModelProfile.from_dict`` inverts it."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "captured"}
+        d["layer_types"] = {k: dataclasses.asdict(v) for k, v in self.layer_types.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelProfile:
+        """A profile from ``to_dict`` (JSON lists back to tuples; no graph)."""
+        types = {
+            name: LayerCost(
+                **{
+                    **lc,
+                    "ops": tuple(OpCost(**op) for op in lc["ops"]),
+                    "fused_ops": tuple(OpCost(**op) for op in lc["fused_ops"]),
+                    "calls": tuple(CallCost(**c) for c in lc["calls"]),
+                }
+            )
+            for name, lc in d["layer_types"].items()
+        }
+        return cls(
+            **{
+                **d,
+                "layer_types": types,
+                "layers": tuple(d["layers"]),
+                "layer_names": tuple(d["layer_names"]),
+            }
         )
 
     @property

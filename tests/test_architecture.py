@@ -16,6 +16,7 @@ LAYERS = [
     (
         "autopar.errors",
         "autopar.files",
+        "autopar.cache",
         "autopar.units",
         "autopar.spec_fields",
         "autopar.measurements",

@@ -112,7 +112,8 @@ def _add_comm_flags(p: argparse.ArgumentParser) -> None:
 def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
     from autopar.graph import capture
     from autopar.measure.inspection import report
-    from autopar.zoo.spec import model_seq, resolve
+    from autopar.zoo.registry import model_seq
+    from autopar.zoo.spec import resolve
 
     resolved = resolve(args.model, dtype=args.dtype)
     seq = model_seq(args.model, args.seq, dtype=args.dtype)
@@ -176,7 +177,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
     from autopar.planner import ModelProfiles, Pricer
     from autopar.planner.recompute_ilp import recompute_choices
     from autopar.strategy import Strategy, check_strategy
-    from autopar.zoo.spec import model_seq
+    from autopar.zoo.registry import model_seq
 
     cluster = Cluster.load(args.cluster, nodes=args.nodes).from_profile(compute=args.profile, comm=args.comm)
     seq = model_seq(args.model, args.seq, dtype=args.dtype)

@@ -53,7 +53,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     from autopar.cluster import Cluster
     from autopar.planner import ModelProfiles, make_plan
     from autopar.request import PlanRequest
-    from autopar.zoo.spec import model_seq
+    from autopar.zoo.registry import model_seq
 
     if args.out:
         check_writable(args.out)  # before the work, not after it

@@ -101,7 +101,7 @@ def cmd_profile(args: argparse.Namespace, console: Console) -> None:
 
     from autopar.measure.profile import profile_compute
     from autopar.measurements import dumps, write
-    from autopar.zoo.spec import model_seq
+    from autopar.zoo.registry import model_seq
 
     check_writable(args.out)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

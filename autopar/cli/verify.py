@@ -56,7 +56,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
     from autopar.measure.verify import resolve_loss, verify_plan
     from autopar.planner import ModelProfiles, make_plan
     from autopar.request import PlanRequest
-    from autopar.zoo.spec import model_seq
+    from autopar.zoo.registry import model_seq
 
     dtype = "fp32" if args.dtype == "fp64" else args.dtype  # fp32 plans are checked in float64
     plan = read_plan(args.plan) if args.plan else None

@@ -12,10 +12,10 @@ spelling the capture and the runtime's policy share.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.utils._pytree import tree_flatten
+if TYPE_CHECKING:
+    import torch
 
 ATTENTION = "sdpa"
 """Every fused attention kernel (CPU flash, CUDA flash, memory-efficient, cuDNN) has one name:
@@ -67,6 +67,9 @@ def ignored(func: Any) -> bool:
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
     leaves, _ = tree_flatten(x)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 

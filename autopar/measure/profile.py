@@ -324,16 +324,11 @@ def profile_compute(
     base = profiles.base
     _check_widths(tp_widths, base.heads)
     kinds = {"embed": "embed", "block": base.layers[1], "head": "head"}
-    jobs = [
-        (t, sp, b)
-        for t in tp_widths
-        for sp in ((False, True) if t > 1 and sequence_parallel else (False,))
-        for b in batches
-    ]
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    sps = {t: (False, True) if t > 1 and sequence_parallel else (False,) for t in tp_widths}
+    jobs = [(t, sp, b) for t in tp_widths for sp in sps[t] for b in batches]
     run = _Session(
         dev=dev,
-        half=half,
+        half={"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype),
         warmup=warmup,
         repeat=repeat,
         total=len(jobs) * 3 + 1 + any(t > 1 for t in tp_widths),

@@ -15,7 +15,7 @@ from autopar.plan import Plan, StagePlan, validate_plan
 from autopar.planner.pricing import Pricer
 from autopar.planner.profiles import ModelProfiles
 from autopar.planner.search import Candidate, Progress, search
-from autopar.planner.tp_layouts import tp_tables
+from autopar.planner.tp_layouts import plan_tables
 from autopar.request import Constraints, PlanRequest
 from autopar.strategy import Strategy, StrategyError
 
@@ -158,11 +158,7 @@ def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) ->
         predicted=est.to_dict(),
         solve_time_s=solve_time_s,
         optimality_gap=cand.gap,
-        tensor_parallel=tp_tables(
-            pricer.profiles.captured(st.micro_batch), cluster, st, heads=profile.heads, blocks=profile.blocks
-        )
-        if st.tp > 1
-        else (),
+        tensor_parallel=plan_tables(pricer.profiles, cluster, st),
     )
 
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
+from autopar import cache
 from autopar.cost_models.profile import ModelProfile, at_micro_batch
-from autopar.graph import CapturedModel, capture
-from autopar.zoo import ZOO, build
-from autopar.zoo.spec import DTYPES, resolve
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from autopar.graph import CapturedModel
 
 CAPTURED_BLOCKS = 2
 """Blocks of a built-in model's shallow copy that the planner captures (``_spec_profile``): the
@@ -25,40 +27,88 @@ twin (``ModelProfile.from_captured`` prices a type by its last layer)."""
 
 
 @lru_cache(maxsize=32)
-def _spec_profile(spec: str, dtype: str, micro_batch: int, seq: int) -> ModelProfile:
+def _captured_profile(spec: str, dtype: str, micro_batch: int, seq: int) -> ModelProfile:
     """A MODEL spec always builds the same model: its captures are kept for the process (a
-    what-if loop or a test suite plans the same zoo model many times). A built-in model's
+    what-if loop or a test suite plans the same zoo model many times), and their profiles on
+    disk (``autopar.cache``). A built-in model's
     blocks are identical, so a copy with ``CAPTURED_BLOCKS`` of them is captured and deepened
     (``ModelProfile.deepened``): GPT-3 175B's 96 blocks took 4.3 s to build and capture, two
     0.4 s (measured on this 2-core machine under load), and the plans are the same
     (``tests/autopar/planner/test_shallow_capture.py``)."""
+    from autopar.graph import capture
+    from autopar.zoo import ZOO, build
+    from autopar.zoo.spec import DTYPES, resolve
+
     entry = ZOO.get(spec)
+    profile = None
     if entry is not None and entry.config.n_layer > CAPTURED_BLOCKS and dtype in DTYPES:
         shallow = build(spec, dtype=DTYPES[dtype], blocks=CAPTURED_BLOCKS)
-        deep = ModelProfile.from_captured(capture(shallow, batch=micro_batch, seq=seq)).deepened(
+        profile = ModelProfile.from_captured(capture(shallow, batch=micro_batch, seq=seq)).deepened(
             entry.config.n_layer
         )
-        if deep is not None:
-            return deep
-    return ModelProfile.from_captured(capture(resolve(spec, dtype=dtype).module, batch=micro_batch, seq=seq))
+    if profile is None:
+        profile = ModelProfile.from_captured(
+            capture(resolve(spec, dtype=dtype).module, batch=micro_batch, seq=seq)
+        )
+    key = spec_key(spec, dtype, seq)
+    if key is not None:
+        cache.store("profile", {**key, "micro_batch": micro_batch}, profile.to_dict())
+    return profile
+
+
+def _spec_profile(spec: str, dtype: str, micro_batch: int, seq: int) -> ModelProfile:
+    """The profile of a MODEL spec: from the disk cache where a capture of the same code left it
+    (no graph: ``ModelProfiles.captured`` captures again if a graph is asked for), else
+    captured."""
+    key = spec_key(spec, dtype, seq)
+    hit = cache.load("profile", {**key, "micro_batch": micro_batch}) if key is not None else None
+    if hit is not None:
+        return ModelProfile.from_dict(hit)
+    return _captured_profile(spec, dtype, micro_batch, seq)
+
+
+def spec_key(spec: str, dtype: str, seq: int) -> dict[str, Any] | None:
+    """What names a MODEL spec's captures in the disk cache: a built-in model's name (a file or
+    module the user may edit is captured every time), None otherwise."""
+    from autopar.zoo.registry import ZOO
+
+    if spec not in ZOO:
+        return None
+    return {"model": spec, "dtype": dtype, "seq": seq, "blocks": CAPTURED_BLOCKS}
 
 
 class ModelProfiles:
     """micro-batch → ``ModelProfile``, and micro-batch → the graph captured at exactly it."""
 
-    def __init__(self, profile_at: Callable[[int], ModelProfile]) -> None:
-        """``profile_at(b)``: the profile captured at micro-batch b (called for 1, 2 and the
-        sizes a plan's TP table needs; each at most once)."""
+    def __init__(
+        self,
+        profile_at: Callable[[int], ModelProfile],
+        *,
+        capture_at: Callable[[int], ModelProfile] | None = None,
+        key: dict[str, Any] | None = None,
+    ) -> None:
+        """``profile_at(b)``: the profile at micro-batch b (called for 1, 2 and the sizes a
+        plan's TP table needs; each at most once); ``capture_at(b)``: one with its graph, where
+        ``profile_at``'s came from the disk cache without it; ``key``: what names this model's
+        captures in the disk cache (``spec_key``), None for a module (never cached)."""
         self._captured: dict[int, ModelProfile] = {}
         self._derived: dict[int, ModelProfile] = {}
         self._profile_at = profile_at
+        self._capture_at = capture_at or profile_at
+        self.key = key
 
     @classmethod
     def of(cls, model: str | nn.Module, *, dtype: str, seq: int) -> ModelProfiles:
         """Profiles of a MODEL spec (captures cached per process) or of a module (captured here,
         on fake tensors: its weights are never read)."""
         if isinstance(model, str):
-            return cls(lambda b: _spec_profile(model, dtype, b, seq))
+            return cls(
+                lambda b: _spec_profile(model, dtype, b, seq),
+                capture_at=lambda b: _captured_profile(model, dtype, b, seq),
+                key=spec_key(model, dtype, seq),
+            )
+        from autopar.graph import capture
+
         return cls(lambda b: ModelProfile.from_captured(capture(model, batch=b, seq=seq)))
 
     def _exactly(self, micro_batch: int) -> ModelProfile:
@@ -75,8 +125,9 @@ class ModelProfiles:
         return self._derived[micro_batch]
 
     def captured(self, micro_batch: int) -> CapturedModel:
-        """The graph captured at exactly ``micro_batch``."""
-        cap = self._exactly(micro_batch).captured
+        """The graph captured at exactly ``micro_batch`` (captured now where the profile came
+        from the disk cache)."""
+        cap = self._exactly(micro_batch).captured or self._capture_at(micro_batch).captured
         assert cap is not None, "profiles made by ModelProfile.from_captured keep their graph"
         return cap
 
@@ -86,4 +137,4 @@ class ModelProfiles:
         return self.at(1)
 
 
-__all__ = ["ModelProfiles"]
+__all__ = ["CAPTURED_BLOCKS", "ModelProfiles", "spec_key"]

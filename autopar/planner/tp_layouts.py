@@ -10,19 +10,23 @@ plan, decides which side of that trade it needs).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-from torch import fx
-
+from autopar import cache
 from autopar.cluster import Cluster
-from autopar.cost_models.terms import TPLayout
-from autopar.cost_models.tp import LayerTP, layout_of
+from autopar.cost_models.terms import TPLayer, TPLayout
 from autopar.errors import AutoparError
-from autopar.graph import CapturedModel, Layer
-from autopar.passes.tp_graph import GraphIndex, index_graph, layer_nodes, op_keys
 from autopar.planner.profiles import ModelProfiles
-from autopar.planner.tp_ilp import choose_layer
 from autopar.strategy import Strategy, remat
+
+if TYPE_CHECKING:  # the graph and its ILPs: imported where a layout is solved, not read from the cache
+    from torch import fx
+
+    from autopar.cost_models.tp import LayerTP
+    from autopar.graph import CapturedModel, Layer
+    from autopar.passes.tp_graph import GraphIndex
 
 
 def plan_table(
@@ -31,6 +35,8 @@ def plan_table(
     """Every operator's choice as (op key, strategy, output placement) for the Plan. At run time
     an operator the table doesn't name (a no-op traced only at another batch size) follows its
     inputs (``tp_rules.propagate``)."""
+    from autopar.passes.tp_graph import layer_nodes, op_keys
+
     nodes = layer_nodes(gm, layer)
     keys = op_keys(nodes, prefix)
     return tuple((keys[n.name], choice.strategies[n.name].name, choice.strategies[n.name].out) for n in nodes)
@@ -53,6 +59,9 @@ def layer_choices(
     together (they may share a weight, which then takes one placement). ``fastest``: this
     function's answer for ``time`` (``choose_layer`` may reuse it for ``memory``);
     ``forward_passes``: ``forward_passes(st, blocks)``."""
+    from autopar.passes.tp_graph import index_graph
+    from autopar.planner.tp_ilp import choose_layer
+
     blocks: dict[str, list[Layer]] = {}
     for layer in cap.layers[1:-1]:
         blocks.setdefault(layer.type, []).append(layer)
@@ -95,7 +104,7 @@ def forward_passes(st: Strategy, blocks: int) -> int:
 
 def tp_tables(
     cap: CapturedModel, cluster: Cluster, st: Strategy, *, heads: int | None, blocks: int
-) -> tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]:
+) -> Tables:
     """Per layer type, the per-operator TP strategies the ILPs choose for ``st`` on ``cap`` (best:
     the graph captured at the plan's micro-batch); empty at tp 1."""
     if st.tp == 1:
@@ -122,6 +131,38 @@ def tp_tables(
     )
 
 
+Tables = tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]
+"""Per layer type, every operator's (op key, strategy, output placement): ``Plan.tensor_parallel``."""
+
+
+def plan_tables(profiles: ModelProfiles, cluster: Cluster, st: Strategy) -> Tables:
+    """``tp_tables`` on the graph captured at the plan's micro-batch, from the disk cache where a
+    capture of the same code solved them (``autopar.cache``)."""
+    if st.tp == 1:
+        return ()
+    base = profiles.base
+    passes = forward_passes(st, base.blocks)
+    knobs = {"tp": st.tp, "sp": st.sequence_parallel, "objective": st.tp_objective, "passes": passes}
+    where = (
+        {
+            **profiles.key,
+            "cluster": cluster.to_dict(),
+            "dtype": st.dtype,
+            "micro_batch": st.micro_batch,
+            **knobs,
+        }
+        if profiles.key is not None
+        else None
+    )
+    hit = cache.load("tables", where) if where is not None else None
+    if hit is not None:
+        return tuple((str(kind), tuple((str(k), str(s), str(o)) for k, s, o in rows)) for kind, rows in hit)
+    tables = tp_tables(profiles.captured(st.micro_batch), cluster, st, heads=base.heads, blocks=base.blocks)
+    if where is not None:
+        cache.store("tables", where, [[kind, [list(r) for r in rows]] for kind, rows in tables])
+    return tables
+
+
 LEAN_GAIN = 0.01
 """The least saving of parameters per rank for which the leanest TP layout is searched too."""
 
@@ -145,13 +186,15 @@ class TPLayouts:
 
     @property
     def graph(self) -> CapturedModel:
-        """The graph the ILPs are solved on (captured the first time a width above 1 is priced)."""
+        """The graph the ILPs are solved on (captured the first time a width above 1 is priced;
+        a profile derived for a micro-batch above 2 holds micro-batch 1's)."""
         graph = self.profiles.at(self.micro_batch).captured
-        assert graph is not None, "profiles keep the graph they were captured from"
-        return graph
+        return graph or self.profiles.captured(self.micro_batch if self.micro_batch <= 2 else 1)
 
     @property
     def index(self) -> GraphIndex:
+        from autopar.passes.tp_graph import index_graph
+
         if self._index is None:
             self._index = index_graph(self.graph.gm)
         return self._index
@@ -181,8 +224,48 @@ class TPLayouts:
         passes = forward_passes(st, self.profiles.base.blocks)  # the model's (the capture may hold fewer)
         key = (st.tp, st.sequence_parallel, st.tp_objective, passes)
         if key not in self.solved:
-            self.solved[key] = layout_of(self.graph, st.tp, self._choices(*key), self.index)
+            self.solved[key] = self._cached(key) or self._solve(key)
         return self.solved[key]
+
+    def _cache_key(self, key: tuple[int, bool, str, int]) -> dict[str, Any] | None:
+        """What names a layout in the disk cache (``autopar.cache``): the model's captures, the
+        cluster, dtype, graph and the ILP's knobs; None for a model that is never cached."""
+        model = self.profiles.key
+        if model is None:
+            return None
+        tp, sp, objective, passes = key
+        knobs = {
+            "tp": tp,
+            "sp": sp,
+            "objective": objective,
+            "passes": passes,
+            "micro_batch": self.micro_batch,
+        }
+        return {**model, "cluster": self.cluster.to_dict(), "dtype": self.dtype, **knobs}
+
+    def _cached(self, key: tuple[int, bool, str, int]) -> TPLayout | None:
+        where = self._cache_key(key)
+        hit = cache.load("tp", where) if where is not None else None
+        if hit is None:
+            return None
+        return {
+            name: TPLayer(
+                collectives=tuple((str(k), str(w), float(b)) for k, w, b in t["collectives"]),
+                local_params=float(t["local_params"]),
+                stream_share=float(t["stream_share"]),
+            )
+            for name, t in hit.items()
+        }
+
+    def _solve(self, key: tuple[int, bool, str, int]) -> TPLayout:
+        """The layout solved on the graph (captured now if the profile came from the cache)."""
+        from autopar.cost_models.tp import layout_of
+
+        layout = layout_of(self.graph, key[0], self._choices(*key), self.index)
+        where = self._cache_key(key)
+        if where is not None:
+            cache.store("tp", where, {name: dataclasses.asdict(t) for name, t in layout.items()})
+        return layout
 
     def variants(self, st: Strategy) -> list[Strategy]:
         """``st`` with the fastest layout, and with the leanest where that keeps at least
@@ -204,4 +287,4 @@ class TPLayouts:
         return [st, lean] if self.lean_pays[key] else [st]
 
 
-__all__ = ["TPLayouts", "forward_passes", "layer_choices", "layout_of", "plan_table", "tp_tables"]
+__all__ = ["TPLayouts", "forward_passes", "layer_choices", "plan_table", "plan_tables", "tp_tables"]

@@ -12,38 +12,12 @@ Narayanan et al. SC'21 Eq. 2.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Shape of a GPT model."""
-
-    n_layer: int
-    """Number of transformer blocks (l)."""
-    n_embd: int
-    """Hidden size (h)."""
-    n_head: int
-    """Attention heads (a); must divide n_embd."""
-    vocab_size: int = 51200
-    """Vocabulary size (V)."""
-    block_size: int = 2048
-    """Maximum sequence length (s), the size of the position table."""
-    attention: str = "sdpa"
-    """``sdpa`` (F.scaled_dot_product_attention, flash where available) or ``math``
-    (explicit QKᵀ, masked softmax and attention dropout, as Megatron-LM ran in 2021–22)."""
-    dropout: float = 0.0
-    """Dropout probability on embeddings, attention scores and both residual branches."""
-
-    def __post_init__(self) -> None:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.attention not in ("sdpa", "math"):
-            raise ValueError(f"attention must be 'sdpa' or 'math', got {self.attention!r}")
+from autopar.zoo.configs import GPTConfig
 
 
 class CausalSelfAttention(nn.Module):

@@ -8,42 +8,11 @@ Shapes per Meta's Llama 3 model card (Dubey et al. 2024, Table 3).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True, kw_only=True)
-class LlamaConfig:
-    """Shape of a Llama model."""
-
-    n_layer: int
-    """Number of transformer blocks."""
-    dim: int
-    """Hidden size."""
-    n_head: int
-    """Query heads; must divide dim."""
-    n_kv_head: int
-    """Key/value heads (grouped-query attention); must divide n_head."""
-    ffn_dim: int
-    """Width of the SwiGLU feed-forward layer."""
-    vocab_size: int = 128256
-    """Vocabulary size."""
-    max_seq_len: int = 8192
-    """Length of the rotary tables."""
-    rope_theta: float = 500000.0
-    """Rotary base frequency."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-
-    def __post_init__(self) -> None:
-        if self.dim % self.n_head or self.n_head % self.n_kv_head:
-            raise ValueError(
-                f"dim={self.dim}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: "
-                "n_head must divide dim and n_kv_head must divide n_head"
-            )
+from autopar.zoo.configs import LlamaConfig
 
 
 class RMSNorm(nn.Module):

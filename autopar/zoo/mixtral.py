@@ -11,25 +11,13 @@ Shape of Mixtral-8x7B per Jiang et al. 2024 (32 layers, dim 4096, 8 experts, top
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.zoo.configs import MixtralConfig
 from autopar.zoo.llama import FeedForward, Llama, LlamaConfig, TransformerBlock
-
-
-@dataclass(frozen=True, kw_only=True)
-class MixtralConfig(LlamaConfig):
-    """Shape of a Mixtral model: a Llama config plus the MoE fields."""
-
-    n_experts: int = 8
-    """Experts per MoE layer (E)."""
-    top_k: int = 2
-    """Experts each token is routed to (k)."""
-    capacity_factor: float = 1.0
-    """Token slots per expert relative to an even split."""
 
 
 class MoE(nn.Module):

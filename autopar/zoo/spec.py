@@ -113,33 +113,6 @@ def call_factory(factory: Callable[..., Any], spec: str) -> nn.Module:
     return model
 
 
-def max_seq(spec: str, module: nn.Module | None = None) -> int | None:
-    """The longest sequence the model's configuration allows (a zoo model's trained length; a
-    config's ``block_size``, ``n_positions`` or ``max_position_embeddings``), None if it states none."""
-    if spec in ZOO:
-        return ZOO[spec].default_seq
-    config = getattr(module, "config", None)
-    for key in ("block_size", "max_seq_len", "n_positions", "max_position_embeddings"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def model_seq(spec: str, seq: int | None, *, dtype: str = "bf16") -> int:
-    """The sequence length to use for MODEL ``spec``: ``seq``, or the model's own; one that the
-    model's configuration does not allow is an error."""
-    module = None if spec in ZOO else resolve(spec, dtype=dtype).module
-    limit = max_seq(spec, module)
-    chosen = seq or limit or 1024
-    if limit is not None and chosen > limit:
-        raise ModelSpecError(
-            f"--seq {chosen} exceeds the {limit} positions {spec!r} allows; use --seq {limit} or less "
-            "(or a model configured for longer sequences)"
-        )
-    return chosen
-
-
 def resolve(spec: str, *, dtype: str | None = "bf16") -> ResolvedModel:
     """Build the model named by ``spec`` on the meta device (cast to ``dtype`` if given)."""
     if dtype is not None and dtype not in DTYPES:
