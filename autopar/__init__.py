@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+import autopar.plan as _plan_module  # noqa: F401  bound first: ``plan`` below is the function, not this module
+
 if TYPE_CHECKING:
     from autopar.api import parallelize, plan
     from autopar.cluster import Cluster, DeviceSpec, LinkSpec
@@ -26,8 +28,6 @@ if TYPE_CHECKING:
     from autopar.zoo.spec import meta_parameters
 
 _HOME = {
-    "parallelize": "autopar.api",
-    "plan": "autopar.api",
     "Cluster": "autopar.cluster",
     "DeviceSpec": "autopar.cluster",
     "LinkSpec": "autopar.cluster",
@@ -51,6 +51,21 @@ _HOME = {
 }
 """Each public name → the module that defines it, imported on first use (PEP 562): the
 command line plans from a warm capture cache without importing torch."""
+
+
+if not TYPE_CHECKING:
+
+    def plan(*args: Any, **kwargs: Any) -> Any:
+        """``autopar.api.plan`` (imported on the first call: it needs torch)."""
+        from autopar.api import plan as plan_
+
+        return plan_(*args, **kwargs)
+
+    def parallelize(*args: Any, **kwargs: Any) -> Any:
+        """``autopar.api.parallelize`` (imported on the first call: it needs torch)."""
+        from autopar.api import parallelize as parallelize_
+
+        return parallelize_(*args, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

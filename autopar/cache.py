@@ -11,8 +11,9 @@ Kinds of entry, each a JSON file named by the SHA-256 of its key:
 - ``orders``: the per-rank action lists of torch's V-shaped pipeline schedules at one depth
   (``cost_models.pipeline``).
 
-Every key holds the code's fingerprint (SHA-256 of autopar's own source files and torch's
-version): any change to the code that captures or prices invalidates every entry. The folder
+Every entry's name holds the code's fingerprint (SHA-256 of autopar's own source files and
+torch's version): any change to the code that captures or prices invalidates every entry, and
+the first entry the new code writes removes the old ones. The folder
 is ``$AUTOPAR_CACHE`` (``off``: no cache), else ``$XDG_CACHE_HOME/autopar``, else
 ``~/.cache/autopar``. Entries are written atomically (a temporary file, then a rename), read
 as JSON only (nothing is unpickled), and a folder that cannot be written leaves planning as
@@ -77,8 +78,18 @@ def _path(kind: str, key: dict[str, Any]) -> pathlib.Path | None:
     folder = cache_dir()
     if folder is None:
         return None
-    text = json.dumps({"kind": kind, "code": code_fingerprint(), **key}, sort_keys=True)
-    return folder / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
+    text = json.dumps({"kind": kind, **key}, sort_keys=True)
+    return folder / f"{kind}-{code_fingerprint()[:16]}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
+
+
+def _prune(folder: pathlib.Path) -> None:
+    """Remove the entries another version of the code wrote (their fingerprint in the name is
+    not ours): no run of this code can read them, so the folder does not grow with upgrades."""
+    mine = f"-{code_fingerprint()[:16]}-"
+    for entry in folder.glob("*.json"):
+        if mine not in entry.name:
+            with contextlib.suppress(OSError):  # another process pruned it first
+                entry.unlink()
 
 
 def load(kind: str, key: dict[str, Any]) -> Any | None:
@@ -100,7 +111,10 @@ def store(kind: str, key: dict[str, Any], value: Any) -> bool:
         return False
     tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+        elif not any(path.parent.glob(f"{kind}-{code_fingerprint()[:16]}-*.json")):
+            _prune(path.parent)  # the first entry of a kind this code writes: clear the old ones
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(value, f)

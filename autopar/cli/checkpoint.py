@@ -45,7 +45,7 @@ def changes(old: Plan, new: Plan) -> dict[str, list[Any]]:
 def cmd_replan(args: argparse.Namespace, console: Console) -> None:
     from autopar.cluster import Cluster
     from autopar.planner import make_plan
-    from autopar.request import PlanRequest
+    from autopar.request import Constraints, PlanRequest
     from autopar.runtime.checkpoint import saved_plan, trainer_state
     from autopar.runtime.export import checkpoint_folder
 
@@ -57,7 +57,12 @@ def cmd_replan(args: argparse.Namespace, console: Console) -> None:
     cluster = Cluster.load(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
     progress(args, f"planning {args.model} for {cluster.world_size} GPUs …")
     request = PlanRequest(
-        model=args.model, cluster=cluster, global_batch=st.global_batch, seq=st.seq, dtype=st.dtype
+        model=args.model,
+        cluster=cluster,
+        global_batch=st.global_batch,
+        seq=st.seq,
+        dtype=st.dtype,
+        constraints=Constraints(compile=st.compile),  # the run compiles its blocks or not, as before
     )
     new = make_plan(request).plan
     step = trainer_state(folder).get("step")

@@ -85,3 +85,14 @@ def test_a_warm_plan_needs_no_capture_and_no_torch(cache_in) -> None:
     assert a["tensor_parallel"] and a["strategy"]["tp"] == 2
     a.pop("solve_time_s"), b.pop("solve_time_s")
     assert a == b  # the same plan, to the last operator's TP strategy
+
+
+def test_entries_of_other_code_are_misses_and_are_removed(cache_in, monkeypatch) -> None:
+    monkeypatch.setattr(cache, "code_fingerprint", lambda: "a" * 64)
+    assert cache.store("profile", {"k": 1}, {"v": "old"})
+    assert cache.store("tp", {"k": 1}, {"v": "old"})
+    monkeypatch.setattr(cache, "code_fingerprint", lambda: "b" * 64)  # the code changed
+    assert cache.load("profile", {"k": 1}) is None
+    assert cache.store("profile", {"k": 1}, {"v": "new"})
+    assert cache.load("profile", {"k": 1}) == {"v": "new"}
+    assert all("-bbbbbbbbbbbbbbbb-" in name for name in os.listdir(cache_in))  # the old ones are gone
