@@ -1,6 +1,7 @@
 """Plans that compile each block (``Strategy.compile = "block"``: torch.compile with inductor on
 the CPU) on 2 gloo processes train as single-process eager training does, within fp32
-tolerance: DP (DDP on the model as written, and FSDP2 with recompute), TP2 and PP2."""
+tolerance: DP (DDP on the model as written, FSDP2 with full recompute and with a per-operator
+recompute policy), TP2 and PP2."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ CASES = [
     {"tp": 1, "pp": 1, "zero": 3, "recompute": ("full",)},  # FSDP2 over checkpointed compiled blocks
     {"tp": 2, "pp": 1, "zero": 0, "recompute": ("none",)},  # the TP graph's outlined blocks
     {"tp": 1, "pp": 2, "zero": 0, "recompute": ("none",)},  # one block per pipeline stage
+    {"tp": 1, "pp": 1, "zero": 3, "recompute": ("sac",)},  # a per-operator policy, compiled
 ]
 
 
