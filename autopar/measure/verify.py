@@ -279,6 +279,7 @@ def _checkpoint_round_trip(
         "checkpoint_state_exact": same,
         "checkpoint_step_gap": max(gaps),
         "checkpoint_exact": same and max(gaps) == 0,
+        "checkpoint_compiled": plan.strategy.compile == "block",
     }
 
 

@@ -381,3 +381,16 @@ def test_dropout_plans_pass_and_unreplayed_or_unsynced_masks_fail(tmp_path) -> N
     assert not verdicts[1].passed and "differs between the ranks" in str(verdicts[1].first_failure)
     assert not verdicts[3].passed and "recompute does not replay" in str(verdicts[3].first_failure)
     assert "'" in str(verdicts[3].first_failure)
+
+
+def test_a_compiled_plans_round_trip_allows_a_last_bit_step_but_not_a_lost_state() -> None:
+    """A compiled plan's fresh placement runs its own compiled kernels: its next step may differ
+    within ``COMPILED_STEP_GAP`` where its state came back exactly; an eager plan's may not."""
+    from autopar.measure.verdict import COMPILED_STEP_GAP, run_failure
+
+    base = {"checkpoint_exact": False, "checkpoint_state_exact": True, "checkpoint_step_gap": 1e-5}
+    assert run_failure({**base, "checkpoint_compiled": True}) is None
+    assert run_failure({**base, "checkpoint_compiled": False}) is not None
+    assert run_failure({**base, "checkpoint_compiled": True, "checkpoint_state_exact": False}) is not None
+    far = {**base, "checkpoint_compiled": True, "checkpoint_step_gap": 10 * COMPILED_STEP_GAP}
+    assert run_failure(far) is not None
