@@ -8,10 +8,10 @@ verifies, ``cli`` is the command line. ``api`` puts planner and runtime together
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 import autopar.plan as _plan_module  # noqa: F401  bound first: ``plan`` below is the function, not this module
+from autopar.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from autopar.api import parallelize, plan
@@ -68,13 +68,7 @@ if not TYPE_CHECKING:
         return parallelize_(*args, **kwargs)
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _HOME)
 
 
 __version__ = "0.1.0"

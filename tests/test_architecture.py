@@ -17,6 +17,7 @@ LAYERS = [
         "autopar.errors",
         "autopar.files",
         "autopar.cache",
+        "autopar.lazy",
         "autopar.units",
         "autopar.spec_fields",
         "autopar.measurements",

@@ -13,8 +13,9 @@ Works on meta-device models (nothing is allocated, even at 1T parameters).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from autopar.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from autopar.graph.captured import CapturedModel, LayerType, capture, example_inputs, priced
@@ -32,13 +33,7 @@ _MODULES = {
 names for operators are read by the cost models without importing torch."""
 
 
-def __getattr__(name: str) -> Any:
-    home = _MODULES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'autopar.graph' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _MODULES)
 
 
 __all__ = ["CapturedModel", "Layer", "LayerType", "capture", "example_inputs", "priced"]

@@ -135,6 +135,19 @@ Tables = tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...]
 """Per layer type, every operator's (op key, strategy, output placement): ``Plan.tensor_parallel``."""
 
 
+def cache_key(
+    profiles: ModelProfiles, cluster: Cluster, dtype: str, micro_batch: int, key: tuple[int, bool, str, int]
+) -> dict[str, Any] | None:
+    """What names a per-operator TP choice in the disk cache (``autopar.cache``): the model's
+    captures, the cluster, dtype, the graph's micro-batch and the ILP's knobs (tp, sp, objective,
+    forward passes); None for a model that is never cached."""
+    if profiles.key is None:
+        return None
+    tp, sp, objective, passes = key
+    knobs = {"tp": tp, "sp": sp, "objective": objective, "passes": passes}
+    return {**profiles.key, "cluster": cluster.to_dict(), "dtype": dtype, "micro_batch": micro_batch, **knobs}
+
+
 def plan_tables(profiles: ModelProfiles, cluster: Cluster, st: Strategy) -> Tables:
     """``tp_tables`` on the graph captured at the plan's micro-batch, from the disk cache where a
     capture of the same code solved them (``autopar.cache``)."""
@@ -142,17 +155,8 @@ def plan_tables(profiles: ModelProfiles, cluster: Cluster, st: Strategy) -> Tabl
         return ()
     base = profiles.base
     passes = forward_passes(st, base.blocks)
-    knobs = {"tp": st.tp, "sp": st.sequence_parallel, "objective": st.tp_objective, "passes": passes}
-    where = (
-        {
-            **profiles.key,
-            "cluster": cluster.to_dict(),
-            "dtype": st.dtype,
-            "micro_batch": st.micro_batch,
-            **knobs,
-        }
-        if profiles.key is not None
-        else None
+    where = cache_key(
+        profiles, cluster, st.dtype, st.micro_batch, (st.tp, st.sequence_parallel, st.tp_objective, passes)
     )
     hit = cache.load("tables", where) if where is not None else None
     if hit is not None:
@@ -224,27 +228,12 @@ class TPLayouts:
         passes = forward_passes(st, self.profiles.base.blocks)  # the model's (the capture may hold fewer)
         key = (st.tp, st.sequence_parallel, st.tp_objective, passes)
         if key not in self.solved:
-            self.solved[key] = self._cached(key) or self._solve(key)
+            where = cache_key(self.profiles, self.cluster, self.dtype, self.micro_batch, key)
+            self.solved[key] = self._cached(where) or self._solve(key, where)
         return self.solved[key]
 
-    def _cache_key(self, key: tuple[int, bool, str, int]) -> dict[str, Any] | None:
-        """What names a layout in the disk cache (``autopar.cache``): the model's captures, the
-        cluster, dtype, graph and the ILP's knobs; None for a model that is never cached."""
-        model = self.profiles.key
-        if model is None:
-            return None
-        tp, sp, objective, passes = key
-        knobs = {
-            "tp": tp,
-            "sp": sp,
-            "objective": objective,
-            "passes": passes,
-            "micro_batch": self.micro_batch,
-        }
-        return {**model, "cluster": self.cluster.to_dict(), "dtype": self.dtype, **knobs}
-
-    def _cached(self, key: tuple[int, bool, str, int]) -> TPLayout | None:
-        where = self._cache_key(key)
+    @staticmethod
+    def _cached(where: dict[str, Any] | None) -> TPLayout | None:
         hit = cache.load("tp", where) if where is not None else None
         if hit is None:
             return None
@@ -257,12 +246,12 @@ class TPLayouts:
             for name, t in hit.items()
         }
 
-    def _solve(self, key: tuple[int, bool, str, int]) -> TPLayout:
-        """The layout solved on the graph (captured now if the profile came from the cache)."""
+    def _solve(self, key: tuple[int, bool, str, int], where: dict[str, Any] | None) -> TPLayout:
+        """The layout solved on the graph (captured now if the profile came from the cache), kept
+        in the disk cache under ``where``."""
         from autopar.cost_models.tp import layout_of
 
         layout = layout_of(self.graph, key[0], self._choices(*key), self.index)
-        where = self._cache_key(key)
         if where is not None:
             cache.store("tp", where, {name: dataclasses.asdict(t) for name, t in layout.items()})
         return layout
@@ -287,4 +276,12 @@ class TPLayouts:
         return [st, lean] if self.lean_pays[key] else [st]
 
 
-__all__ = ["TPLayouts", "forward_passes", "layer_choices", "plan_table", "plan_tables", "tp_tables"]
+__all__ = [
+    "TPLayouts",
+    "cache_key",
+    "forward_passes",
+    "layer_choices",
+    "plan_table",
+    "plan_tables",
+    "tp_tables",
+]

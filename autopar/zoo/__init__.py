@@ -6,9 +6,9 @@ meta device (no memory); ``build(name, device="cpu")`` materialises it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from autopar.lazy import lazy_attributes
 from autopar.zoo.configs import GPTConfig, LlamaConfig, MixtralConfig
 from autopar.zoo.registry import ZOO, ZooEntry
 
@@ -28,13 +28,7 @@ _MODULES = {
 not, so the planner's warm path never imports torch."""
 
 
-def __getattr__(name: str) -> Any:
-    home = _MODULES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'autopar.zoo' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _MODULES)
 
 
 __all__ = [
