@@ -106,7 +106,9 @@ def test_explicit_attention_gets_megatrons_layout() -> None:
 
 def test_alibi_select_and_index_rules() -> None:
     """BLOOM's baddbmm adds ALiBi over (batch·heads, 1, s): the bias follows dim 0 split; Falcon
-    picks q/k/v with select (dim dropped) and index (a 1-D index list): the picked dim never splits."""
+    picks its multi-query keys out of the fused (b, s, kv groups, per group, d) projection with
+    ``index`` (``[..., [-2], :]``, transformers ≤ 5.24) or ``select`` (``[..., -2, :]``, 5.25):
+    either way the groups split and the picked dim never does."""
     from autopar.zoo import hf
 
     bloom = capture(hf.family("bloom"), batch=1, seq=16)
@@ -115,10 +117,22 @@ def test_alibi_select_and_index_rules() -> None:
     assert split and split[0].inputs == ("S0", "S0", "S0")  # per-head ALiBi slopes: split with the heads
     falcon = capture(hf.family("falcon-40b"), batch=1, seq=16)
     nodes = layer_nodes(falcon.gm, 1)
-    (index, *_) = [n for n in nodes if n.target == torch.ops.aten.index.Tensor]
-    outs = {s.out for s in strategies(index, 2)}
-    assert "S3" not in outs and "S2" in outs  # (b, s, kv groups, picked, d): groups split, picked dim not
+    picks = (torch.ops.aten.index.Tensor, torch.ops.aten.select.int)
+    (pick, *_) = [n for n in nodes if n.target in picks and len(n.args[0].meta["val"].shape) == 5]
+    ins = {s.inputs[0] for s in strategies(pick, 2)}
+    assert "S3" not in ins and "S2" in ins, ins  # groups split, the picked dim not
     assert any(n.target == torch.ops.aten.linear.default for n in nodes)  # FalconLinear's x @ W.T folded
+
+
+def test_index_with_one_index_list_keeps_every_other_dim_splittable() -> None:
+    class Pick(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:, :, [0, 2]] * 2
+
+    gm = torch.export.export(Pick(), (torch.randn(2, 4, 3, 8),)).graph_module
+    (index,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.index.Tensor]
+    outs = {s.out for s in strategies(index, 2)}
+    assert {"S0", "S1", "S3"} <= outs and "S2" not in outs, outs  # (b, s, picked, d)
 
 
 def test_fused_gate_up_chunk_is_column_sharded_chunk_wise() -> None:
