@@ -235,6 +235,7 @@ class Plan:
                 if st.dp_replicate > 1
                 else ""
             )
+            + _expert_note(st, self.predicted)
             + (f"; DDP buckets of {st.bucket_mb:g} MiB" if st.uses_ddp else "")
             + ("; each block compiled (torch.compile)" if st.compile == "block" else ""),
         ]
@@ -245,6 +246,18 @@ class Plan:
         for ltype, ops in self.tensor_parallel:
             lines.append(f"tensor parallel {ltype}: " + (", ".join(_tp_summary(ops)) or "all replicated"))
         return "\n".join(lines)
+
+
+def _expert_note(st: Strategy, predicted: dict[str, Any]) -> str:
+    """Expert parallelism's layout and its all-to-alls' predicted time per step (ep > 1)."""
+    if st.ep == 1:
+        return ""
+    a2a = predicted.get("breakdown_s", {}).get("ep_comm")
+    cost = f", all-to-alls {a2a:.3g} s per step" if a2a is not None else ""
+    return (
+        f"; expert parallel: each MoE layer's experts split over ep {st.ep} of the {st.dp} data-parallel "
+        f"ranks (1/{st.ep} each), their states sharded over the {st.dp // st.ep} holding the same{cost}"
+    )
 
 
 def _reduce_note(st: Strategy) -> str:

@@ -66,6 +66,9 @@ class Constraints:
     bucket_mb: float | None = None
     """Fix DDP's gradient bucket cap in MiB on plans that run on DDP (``Strategy.bucket_mb``).
     None: torch's 25, and 100 and 400 priced too where DDP's all-reduce leaves the node."""
+    ep: int | None = None
+    """Fix the expert-parallel degree (``Strategy.ep``; 1: experts replicated). None: the planner
+    prices every ep dividing dp and the model's routed experts (tp = 1)."""
     compile: str | None = "off"
     """Fix how the plan compiles (``Strategy.compile``: off or block). None: the planner prices
     both and keeps the faster; off by default, as compiling costs minutes of warm-up and a
@@ -86,15 +89,15 @@ class Constraints:
             )
         if self.compile is not None and self.compile not in COMPILE:
             raise AutoparError(f"compile must be one of {', '.join(COMPILE)} or None, got {self.compile!r}")
-        k = self.powersgd_rank
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
-            raise AutoparError(f"powersgd_rank must be a non-negative integer, got {k!r}")
+        for name, least in (("powersgd_rank", 0), ("ep", 1), ("dp_replicate", 1)):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < least):
+                kind = "non-negative" if least == 0 else "positive"
+                raise AutoparError(f"{name} must be a {kind} integer, got {k!r}")
         b = self.bucket_mb
         if b is not None and (isinstance(b, bool) or not isinstance(b, int | float) or not 0 < b < math.inf):
             raise AutoparError(f"bucket_mb must be a positive number of MiB, got {b!r}")
         r = self.dp_replicate
-        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
-            raise AutoparError(f"dp_replicate must be a positive integer, got {r!r}")
         if r is not None and r > 1 and self.zero is not None and self.zero < 2:
             raise AutoparError(f"HSDP (dp_replicate {r}) shards with ZeRO-2 or 3, not ZeRO-{self.zero}")
         if self.tp_objective is not None and self.tp_objective not in TP_OBJECTIVES:

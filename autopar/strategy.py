@@ -143,6 +143,11 @@ class Strategy:
     r·(n + m) numbers instead of n·m, with error feedback (what compression dropped is added to
     the next step's gradient); vectors are all-reduced whole. 0: off. DDP plans only (tp = pp =
     1, ZeRO 0–1, fp32 reduction); always lossy (``lossy_comm``)."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's routed experts split over ep consecutive ranks of
+    the data-parallel axis, rows sent to their expert's rank and back by all-to-all; the expert
+    weights' ZeRO group is the dp / ep ranks holding the same experts (torchtitan's, Megatron's).
+    1: experts replicated like every other weight."""
     dp_replicate: int = 1
     """Hybrid sharding (HSDP): the data-parallel axis as ``dp_replicate`` groups of
     ``dp_shard`` = dp / dp_replicate consecutive ranks; ZeRO shards the model states within a
@@ -175,7 +180,17 @@ class Strategy:
     checkpointing), after none, selective and full."""
 
     def __post_init__(self) -> None:
-        positive = ("tp", "pp", "dp", "micro_batch", "global_batch", "seq", "virtual_stages", "dp_replicate")
+        positive = (
+            "tp",
+            "pp",
+            "dp",
+            "ep",
+            "micro_batch",
+            "global_batch",
+            "seq",
+            "virtual_stages",
+            "dp_replicate",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -202,27 +217,25 @@ class Strategy:
 
     def _check_comm_knobs(self) -> None:
         """PowerSGD, DDP's bucket size and HSDP fit the plan's data-parallel runtime."""
-        if (
-            not isinstance(self.powersgd_rank, int)
-            or isinstance(self.powersgd_rank, bool)
-            or self.powersgd_rank < 0
-        ):
+        k, mb = self.powersgd_rank, self.bucket_mb
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise StrategyError(f"powersgd_rank must be a non-negative integer, got {self.powersgd_rank!r}")
         if self.powersgd_rank and not (self.uses_ddp and self.grad_reduce == "fp32"):
             raise StrategyError(
                 f"PowerSGD (rank {self.powersgd_rank}) compresses DDP's fp32 gradient all-reduce: it "
                 "needs dp > 1, tp = pp = 1, ZeRO 0 or 1 and --grad-reduce fp32"
             )
-        if (
-            isinstance(self.bucket_mb, bool)
-            or not isinstance(self.bucket_mb, int | float)
-            or not 0 < self.bucket_mb < math.inf
-        ):
+        if isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 < mb < math.inf:
             raise StrategyError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
         if self.bucket_mb != DDP_BUCKET_MB and not self.uses_ddp:
             raise StrategyError(
                 f"bucket_mb {self.bucket_mb:g} sizes DDP's gradient buckets: it needs a plan on DDP "
                 "(dp > 1, tp = pp = 1, ZeRO 0 or 1); FSDP2 reduces each block's gradients at once"
+            )
+        if self.ep > 1 and (self.dp % self.ep or self.tp > 1 or self.dp_replicate > 1):
+            raise StrategyError(
+                f"ep {self.ep} takes its ranks from the data-parallel axis: it must divide dp = {self.dp}, "
+                "and it runs with tp = 1 and without HSDP (dp_replicate = 1)"
             )
         if self.dp_replicate > 1 and (self.zero < 2 or self.dp % self.dp_replicate or self.dp_shard < 2):
             raise StrategyError(
@@ -301,7 +314,7 @@ class Strategy:
     def uses_ddp(self) -> bool:
         """Whether the data-parallel axis runs on DDP (the model as written, tp = pp = 1, at
         ZeRO 0–1, dp > 1; every other data-parallel plan runs on FSDP2)."""
-        return runs_on_ddp(tp=self.tp, pp=self.pp, dp=self.dp, zero=self.zero)
+        return runs_on_ddp(tp=self.tp, pp=self.pp, dp=self.dp, zero=self.zero, ep=self.ep)
 
     @property
     def dp_shard(self) -> int:
@@ -413,9 +426,14 @@ def check_strategy(
     blocks: int,
     heads: int | None,
     seq_limit: int | None = None,
+    experts: int = 0,
 ) -> None:
-    """Raise ``StrategyError`` naming the first constraint ``strategy`` violates."""
+    """Raise ``StrategyError`` naming the first constraint ``strategy`` violates (``experts``:
+    routed experts per MoE layer, 0 for a dense model)."""
     s = strategy
+    if s.ep > 1 and (experts == 0 or experts % s.ep):
+        have = f"{experts or 'no'} routed experts per layer"
+        raise StrategyError(f"ep={s.ep} must divide each MoE layer's experts; the model has {have}")
     if s.world_size != world_size:
         raise StrategyError(
             f"tp·pp·dp = {s.tp}·{s.pp}·{s.dp} = {s.world_size} but the cluster has {world_size} GPUs; "
@@ -440,9 +458,9 @@ def check_strategy(
         raise StrategyError(f"seq {s.seq} exceeds the model's maximum {seq_limit}")
 
 
-def runs_on_ddp(*, tp: int, pp: int, dp: int, zero: int) -> bool:
+def runs_on_ddp(*, tp: int, pp: int, dp: int, zero: int, ep: int = 1) -> bool:
     """Whether these degrees run the data-parallel axis on DDP (``Strategy.uses_ddp``)."""
-    return dp > 1 and tp == 1 and pp == 1 and zero <= 1
+    return dp > 1 and tp == 1 and pp == 1 and ep == 1 and zero <= 1
 
 
 def runs_with_zero(schedule: str, zero: int) -> bool:

@@ -5,7 +5,12 @@ For n ranks, S bytes, per-rank bandwidth β and per-message latency α
 
     all-reduce                  2(n−1)·α + 2·(n−1)/n · S/β
     all-gather / reduce-scatter  (n−1)·α +   (n−1)/n · S/β      (S = the full, gathered size)
+    all-to-all                   (n−1)·α +   (n−1)/n · S/β      (S = what each rank holds before)
     send/recv                         α +            S/β
+
+The all-to-all is the pairwise exchange (Thakur et al. 2005 §3.5): n − 1 steps, in each a rank
+sends the S/n bytes bound for one peer; expert parallelism's dispatch and combine (rows routed
+evenly: S/n to each expert rank, Lepikhin et al. 2020 GShard §2.2).
 
 A group whose ranks are ``stride`` apart spans nodes when stride·n exceeds
 the GPUs of a node. Its ring then crosses the inter-node network, whose
@@ -126,6 +131,12 @@ def allgather_time_s(size_bytes: float, n: int, link: GroupLink) -> float:
 def reduce_scatter_time_s(size_bytes: float, n: int, link: GroupLink) -> float:
     """Ring reduce-scatter of a ``size_bytes`` input: the all-gather's cost, or the measured fit."""
     return _time_s("reduce_scatter", size_bytes, n, link)
+
+
+def all_to_all_time_s(size_bytes: float, n: int, link: GroupLink) -> float:
+    """Pairwise-exchange all-to-all of the ``size_bytes`` each rank holds: (n−1)·α + (n−1)/n·S/β
+    (the all-gather's coefficients: n − 1 messages of S/n bytes each), or the measured fit."""
+    return _time_s("all_to_all", size_bytes, n, link)
 
 
 def p2p_time_s(size_bytes: float, link: GroupLink) -> float:

@@ -4,7 +4,8 @@ estimate, the layout ILP and the timeline share."""
 from __future__ import annotations
 
 from autopar.cost_models.buckets import overlap_share
-from autopar.cost_models.terms import RankLoad, Terms
+from autopar.cost_models.rank_load import RankLoad
+from autopar.cost_models.terms import Terms
 
 
 def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
@@ -35,7 +36,8 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     rlat, rspb = terms.rs_lat_s, terms.rs_s_per_byte
     if st.dp == 1:
         return 0.0
-    grad, weights = load.params * terms.grad_bytes, load.params * terms.weight_bytes
+    params = terms.weighted(load.params, load.expert_params, "comm")  # experts: over dp/ep ranks
+    grad, weights = params * terms.grad_bytes, params * terms.weight_bytes
     kappa = terms.overlap
     overlap = kappa * (load.bwd_s - terms.block["none"].bwd_s)
     m = st.micro_batches

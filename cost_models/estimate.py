@@ -25,14 +25,8 @@ from autopar.cluster import Cluster
 from autopar.cost_models import comm
 from autopar.cost_models.dp_overlap import dp_exposed_s
 from autopar.cost_models.profile import ModelProfile
-from autopar.cost_models.terms import (
-    RankLoad,
-    Terms,
-    TPLayout,
-    build_terms,
-    rank_load,
-    rank_memory_terms,
-)
+from autopar.cost_models.rank_load import RankLoad, rank_load, rank_memory_terms
+from autopar.cost_models.terms import Terms, TPLayout, build_terms
 from autopar.cost_models.timeline import StageTime, stage_times
 from autopar.strategy import Strategy, check_strategy
 
@@ -204,7 +198,9 @@ def compute_basis(cluster: Cluster, dtype: str) -> str:
 
 def _check_inputs(profile: ModelProfile, cluster: Cluster, st: Strategy) -> None:
     """Raise if ``st`` is invalid on ``cluster`` or ``profile`` was captured at another shape."""
-    check_strategy(st, world_size=cluster.world_size, blocks=profile.blocks, heads=profile.heads)
+    check_strategy(
+        st, world_size=cluster.world_size, blocks=profile.blocks, heads=profile.heads, experts=profile.experts
+    )
     if st.seq != profile.seq or st.micro_batch != profile.micro_batch:
         raise ValueError(
             f"profile captured at micro-batch {profile.micro_batch}, seq {profile.seq}; "
@@ -235,14 +231,19 @@ def _breakdown(terms: Terms, st: Strategy, loads: list[RankLoad]) -> dict[str, f
     slow = max(range(p), key=lambda k: loads[k].time_s)
     r = loads[slow]
     t_mb = r.time_s + terms.p2p_s
+    ep = {"ep_comm": m * r.ep_s} if st.ep > 1 else {}  # the all-to-alls, apart from TP's
     return {
         "compute": m * r.compute_s,
         "recompute": m * r.recompute_s,
-        "tp_comm": m * r.tp_s,
+        "tp_comm": m * (r.tp_s - r.ep_s),
+        **ep,
         "p2p": m * terms.p2p_s,
         "bubble": terms.bubble_rounds * t_mb,
         "dp_comm": max(dp_exposed_s(terms, load) for load in loads),
-        "optimizer": max(load.params * terms.opt_s_per_param for load in loads),
+        "optimizer": max(
+            terms.weighted(load.params, load.expert_params, "optimizer") * terms.opt_s_per_param
+            for load in loads
+        ),
     }
 
 

@@ -75,7 +75,7 @@ PIPELINE_GRAD_BYTES = 4
 """Bytes per gradient element FSDP2 accumulates unsharded across a pipeline step (fp32)."""
 
 
-def rank_state_bytes(params: float, st: Strategy) -> dict[str, float]:
+def rank_state_bytes(params: float, st: Strategy, *, shard: int | None = None) -> dict[str, float]:
     """Weights, gradients and optimizer states at the peak of a GPU holding ``params``.
 
     ``model_state_bytes`` (ZeRO), except ZeRO-2/3 under a pipeline (pp > 1):
@@ -84,9 +84,11 @@ def rank_state_bytes(params: float, st: Strategy) -> dict[str, float]:
     so each GPU accumulates its stage's gradients unsharded, upcast to the fp32 reduce dtype
     (``FSDPParam.to_accumulated_grad_if_needed``: 4 B each), and keeps the gathered weights
     (w B each) from its first backward to the end of the step. PowerSGD adds its error feedback
-    to the gradients' bytes.
+    to the gradients' bytes. ``shard``: the ranks ZeRO shards over, if not ``Strategy.dp_shard``
+    (routed experts under expert parallelism: dp / ep).
     """
-    states = model_state_bytes(params, zero=st.zero, dp=st.dp_shard, dtype=st.dtype)  # HSDP: ÷ its group
+    dp = st.dp_shard if shard is None else shard  # HSDP: ÷ its group
+    states = model_state_bytes(params, zero=st.zero, dp=dp, dtype=st.dtype)
     if st.pp > 1 and st.zero >= 2 and st.dp > 1:
         states["weights"] = params * STATE_BYTES[st.dtype][0]
         states["gradients"] = params * PIPELINE_GRAD_BYTES
@@ -95,9 +97,9 @@ def rank_state_bytes(params: float, st: Strategy) -> dict[str, float]:
     return states
 
 
-def state_bytes_per_param(st: Strategy) -> float:
+def state_bytes_per_param(st: Strategy, *, shard: int | None = None) -> float:
     """Weights + gradients + optimizer bytes per parameter on a GPU (``rank_state_bytes``)."""
-    return sum(rank_state_bytes(1.0, st).values())
+    return sum(rank_state_bytes(1.0, st, shard=shard).values())
 
 
 def comm_buffer_bytes(

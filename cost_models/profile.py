@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch.fx as fx
 
     from autopar.graph import CapturedModel
+    from autopar.graph.experts import ExpertGroup
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +97,14 @@ class LayerCost:
     matrix_sides: int = 0
     """Σ (rows + columns) over those tensors, each viewed as dim 0 × the rest (as torch's
     ``powerSGD_hook`` views them): PowerSGD at rank r sends r·(rows + columns) numbers for each."""
+    experts: int = 0
+    """Routed experts of the layer's MoE (``graph.experts``); 0 for a dense layer."""
+    expert_params: int = 0
+    """Parameters of those experts (their stacked weights): what expert parallelism splits."""
+    a2a_bytes: int = 0
+    """Bytes of the rows entering the experts' first grouped matmul plus those leaving the last,
+    per forward: what expert parallelism's dispatch and combine all-to-alls carry (k·b·s·h each
+    for top-k routing; ``comm.all_to_all_time_s``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +134,11 @@ class ModelProfile:
     captured: CapturedModel | None = dataclasses.field(default=None, compare=False, repr=False)
     """The annotated graph this profile summarises (the planner chooses per-operator
     tensor-parallel strategies on it); None for hand-built profiles."""
+
+    @property
+    def experts(self) -> int:
+        """Routed experts per MoE layer (0: a dense model)."""
+        return max((lc.experts for lc in self.layer_types.values()), default=0)
 
     @property
     def blocks(self) -> int:
@@ -204,8 +218,12 @@ class ModelProfile:
         types: dict[str, LayerCost] = {}
         # each type's last layer: the first also saves what every block reads (rope tables, masks)
         last = {layer.type: layer for layer in cap.layers}
+        from autopar.graph.experts import expert_groups  # torch: imported when capturing
+
+        groups = expert_groups(cap.gm)
         for name, layer in last.items():
-            types[name] = _layer_cost(name, [nodes[n] for n in layer.nodes], h, s, layer.params)
+            members = [nodes[n] for n in layer.nodes]
+            types[name] = _layer_cost(name, members, h, s, layer.params, _experts(groups, members))
         out = next(n for n in cap.gm.graph.nodes if n.op == "output")
         head_out = [a for a in out.all_input_nodes if a.meta.get("autopar.shape")]
         vocab = int(head_out[0].meta["autopar.shape"][-1]) if head_out else h
@@ -236,7 +254,24 @@ def _stream_dtype(gm: fx.GraphModule, h: int) -> str:
     return next(computing, "bfloat16")
 
 
-def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) -> LayerCost:
+def _experts(groups: list[ExpertGroup], members: list[fx.Node]) -> dict[str, int]:
+    """``LayerCost.experts``, ``expert_params`` and ``a2a_bytes`` of a layer's MoE (none: {})."""
+    mine = set(members)
+    found = [g for g in groups if g.first in mine]
+    if not found:
+        return {}
+    return {
+        "experts": found[0].experts,
+        "expert_params": sum(numel(shape_of(w)) for g in found for w in g.weights),
+        "a2a_bytes": sum(
+            numel(shape_of(n)) * node_elem_bytes(n) for g in found for n in (g.first.args[0], g.last)
+        ),
+    }
+
+
+def _layer_cost(
+    name: str, members: list[fx.Node], h: int, s: int, params: int, experts: dict[str, int]
+) -> LayerCost:
     ops, stream_b, sharded_b, quad_b, quad_f, tp_bytes, tp_count = [], 0, 0, 0, 0, 0, 0
     placements: list[tuple[fx.Node, str]] = []
     for n in members:
@@ -280,6 +315,7 @@ def _layer_cost(name: str, members: list[fx.Node], h: int, s: int, params: int) 
         fused_ops=fusion_groups(members, h),
         calls=_calls(placements),
         **_matrices(members),
+        **experts,
     )
 
 
@@ -398,6 +434,9 @@ def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile
             calls=_calls_at(a.calls, c.calls, lin),
             matrix_params=a.matrix_params,
             matrix_sides=a.matrix_sides,
+            experts=a.experts,
+            expert_params=a.expert_params,
+            a2a_bytes=lin(a.a2a_bytes, c.a2a_bytes),
         )
     return dataclasses.replace(one, micro_batch=b, layer_types=types)
 

@@ -12,6 +12,7 @@ a plan's ILP objective equals its estimate.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models import comm
@@ -29,11 +30,12 @@ from autopar.cost_models.compute import (
     optimizer_s_per_param,
     weight_grad_s,
 )
+from autopar.cost_models.experts import ep_backward_s, ep_forward_s, ep_link, expert_factors
 from autopar.cost_models.pipeline import bubble_rounds
 from autopar.cost_models.profile import LayerCost, ModelProfile
 from autopar.errors import AutoparError
 from autopar.measurements import ComputeProfile, LayerTiming
-from autopar.strategy import Strategy, remat
+from autopar.strategy import Strategy
 
 """Bytes per gradient element in the DP reduction, by ``Strategy.grad_reduce`` (mixed-precision
 training reduces in fp32 unless the plan says bf16)."""
@@ -70,6 +72,13 @@ class Unit:
     """Forward FLOPs (whole layer, for throughput)."""
     recompute_flops: float
     """FLOPs redone in backward (whole layer)."""
+    ep_s: float = 0.0
+    """The expert-parallel all-to-alls (dispatch and combine, forward and backward, and the
+    forward's again when the block is checkpointed whole): part of ``tp_s``, the model-parallel
+    communication on the critical path."""
+    expert_params: float = 0.0
+    """Routed-expert parameters on this GPU under expert parallelism (ep > 1: E/ep experts'),
+    part of ``params``; their states shard over the dp / ep ranks holding the same experts."""
 
     @property
     def compute_s(self) -> float:
@@ -138,6 +147,18 @@ class Terms:
     reserve_bytes: float
     dp_crosses_nodes: bool
     tp_crosses_nodes: bool
+    expert_state: float = 1.0
+    expert_optimizer: float = 1.0
+    expert_comm: float = 1.0
+    """ep > 1: what one local expert parameter weighs against a dense one in the per-parameter
+    terms of model states (ZeRO shards it over the dp/ep ranks holding the same experts, not
+    over dp), the optimizer and the DP gradient reduction (over those dp/ep ranks):
+    ``cost_models.experts.expert_factors``."""
+
+    def weighted(self, params: Any, expert: Any, term: str) -> Any:
+        """``params`` (of which ``expert`` are local expert parameters) as dense parameters for
+        ``term`` (state, optimizer, comm): params + (factor − 1)·expert. Linear, for the ILP too."""
+        return params + (getattr(self, f"expert_{term}") - 1.0) * expert
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,6 +215,7 @@ def layer_units(
         tp_link=tp_link,
         measured=cluster.compute_profile,
         tp_layout=tp_layout,
+        ep_link=ep_link(cluster, st),
     )
     blocks = {r: _unit(ctx, block_type, r) for r in st.choices}
     return blocks, _unit(ctx, "embed", "none"), _unit(ctx, "head", "none")
@@ -213,6 +235,8 @@ class _UnitContext:
     measured: ComputeProfile | None
     """The cluster's measured compute profile, if any."""
     tp_layout: TPLayout | None
+    ep_link: comm.GroupLink
+    """The link an expert-parallel group's all-to-alls run over."""
 
 
 def _collective_s(ctx: _UnitContext, name: str, size: float, k: int = 1) -> float:
@@ -283,17 +307,21 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
         else layer_forward_s(lc, ctx.device, st.dtype, tp=t, sp=sp, stream_share=share, compiled=compiled)
     )
     tp_fwd, tp_bwd = _tp_phases_s(ctx, name, lc, chosen)
+    ep_fwd, ep_bwd = ep_forward_s(lc, st, ctx.ep_link), ep_backward_s(lc, st, ctx.ep_link)
     redo_s, act, redo_flops = _redone(ctx, lc, choice, fwd, stream_share=share, measured=got)
     whole_block = choice == "full" or st.policy(choice) is not None  # its forward's collectives again
     bwd = got.backward_s if got else layer_backward_s(lc, ctx.device, st.dtype, tp=t, fwd_s=fwd)
-    params = chosen.local_params if chosen is not None else lc.params / t
+    experts = lc.expert_params / st.ep  # ep > 1 needs tp = 1: E/ep experts whole on the rank
+    params = (chosen.local_params if chosen is not None else lc.params / t) - lc.expert_params + experts
     tokens = st.micro_batch * st.seq
     return Unit(
         fwd_s=fwd,
         bwd_compute_s=bwd,
         wgrad_s=weight_grad_s(params, tokens=tokens, device=ctx.device, dtype=st.dtype, backward_s=bwd),
         recompute_s=redo_s,
-        tp_s=tp_fwd * (2 if whole_block else 1) + tp_bwd,
+        tp_s=(tp_fwd + ep_fwd) * (2 if whole_block else 1) + tp_bwd + ep_bwd,
+        ep_s=ep_fwd * (2 if whole_block else 1) + ep_bwd,
+        expert_params=experts if st.ep > 1 else 0.0,
         act_bytes=act,
         act_full_bytes=mem.layer_activation_bytes(
             lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes
@@ -426,74 +454,10 @@ def build_terms(
         reserve_bytes=reserve_bytes if reserve_bytes is not None else _default_reserve_bytes(cluster.device),
         dp_crosses_nodes=dp_link.crosses_nodes and st.dp > 1,
         tp_crosses_nodes=tp_link.crosses_nodes,
+        **expert_factors(cluster, st),
     )
 
 
 def _default_reserve_bytes(device: DeviceSpec) -> float:
     """Memory kept back per GPU by default: the CUDA context plus a share for fragmentation."""
     return CUDA_CONTEXT_BYTES + FRAGMENTATION * device.memory_bytes
-
-
-@dataclass(frozen=True, kw_only=True)
-class RankLoad:
-    """Sums of unit terms over the layers one rank holds."""
-
-    fwd_s: float
-    bwd_compute_s: float
-    recompute_s: float
-    tp_s: float
-    bwd_s: float
-    wgrad_s: float
-    params: float
-    layers: int
-    act_bytes: float
-    rematerialises: bool
-    """A block of the rank is checkpointed whole (full or a per-operator policy): its backward
-    rebuilds one block's activations at a time."""
-
-    @property
-    def compute_s(self) -> float:
-        return self.fwd_s + self.bwd_compute_s
-
-    @property
-    def time_s(self) -> float:
-        return self.compute_s + self.recompute_s + self.tp_s
-
-
-def rank_units(terms: Terms, rank: int, counts: tuple[int, ...]) -> list[tuple[str, Unit, int]]:
-    """(recompute, unit, count) on pipeline rank ``rank``: ``counts`` blocks per recompute
-    choice (``Strategy.choices``), the embedding on the first rank and the head on the last."""
-    units = [(r, terms.block[r], n) for r, n in zip(terms.strategy.choices, counts, strict=True)]
-    last = terms.strategy.head_rank
-    return units + [("none", terms.embed, 1)] * (rank == 0) + [("none", terms.head, 1)] * (rank == last)
-
-
-def rank_load(terms: Terms, rank: int, counts: tuple[int, ...]) -> RankLoad:
-    """Sum the units of ``counts`` blocks (per ``Strategy.choices``) plus embed/head where they live."""
-    units = [(u, n) for _, u, n in rank_units(terms, rank, counts)]
-    return RankLoad(
-        fwd_s=sum(u.fwd_s * n for u, n in units),
-        bwd_compute_s=sum(u.bwd_compute_s * n for u, n in units),
-        recompute_s=sum(u.recompute_s * n for u, n in units),
-        tp_s=sum(u.tp_s * n for u, n in units),
-        bwd_s=sum(u.bwd_s * n for u, n in units),
-        wgrad_s=sum(u.wgrad_s * n for u, n in units),
-        params=sum(u.params * n for u, n in units),
-        layers=sum(n for _, n in units),
-        act_bytes=sum(u.act_bytes * n for u, n in units),
-        rematerialises=any(n for r, n in zip(terms.strategy.choices, counts, strict=True) if remat(r)),
-    )
-
-
-def rank_memory_terms(terms: Terms, rank: int, load: RankLoad) -> dict[str, float]:
-    """Peak memory of a rank by cause (bytes)."""
-    acts = terms.inflight[rank] * load.act_bytes
-    if load.rematerialises:
-        acts += terms.block["none"].act_full_bytes
-    return {
-        **mem.rank_state_bytes(load.params, terms.strategy),
-        "activations": acts,
-        "loss": terms.loss_bytes if rank == terms.strategy.head_rank else 0.0,
-        "comm_buffers": terms.buffers[rank],
-        "reserve": terms.reserve_bytes,
-    }

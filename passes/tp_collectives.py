@@ -24,7 +24,8 @@ def _named(group: str) -> Any:
     return group
 
 
-def _wait(x: torch.Tensor) -> torch.Tensor:
+def waited(x: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited for (a plain tensor passes through)."""
     return funcol.wait_tensor(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
@@ -36,13 +37,13 @@ class _Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _wait(funcol.all_reduce(g.contiguous(), "sum", ctx.group)), None
+        return waited(funcol.all_reduce(g.contiguous(), "sum", ctx.group)), None
 
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: str) -> torch.Tensor:
-        return _wait(funcol.all_reduce(x.contiguous(), "sum", _named(group)))
+        return waited(funcol.all_reduce(x.contiguous(), "sum", _named(group)))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -56,13 +57,13 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: str, rank: int, size: int, partial: bool) -> Any:
         ctx.args = dim, group, rank, size, partial
-        return _wait(funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=_named(group)))
+        return waited(funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=_named(group)))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         dim, group, rank, size, partial = ctx.args
         if partial:
-            out = _wait(funcol.reduce_scatter_tensor(g.contiguous(), "sum", scatter_dim=dim, group=group))
+            out = waited(funcol.reduce_scatter_tensor(g.contiguous(), "sum", scatter_dim=dim, group=group))
         else:
             out = g.chunk(size, dim=dim)[rank].contiguous()
         return out, None, None, None, None, None
@@ -78,7 +79,7 @@ class _Slice(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         dim, group = ctx.args
         return (
-            _wait(funcol.all_gather_tensor(g.contiguous(), gather_dim=dim, group=group)),
+            waited(funcol.all_gather_tensor(g.contiguous(), gather_dim=dim, group=group)),
             None,
             None,
             None,
@@ -98,7 +99,7 @@ class _Chunks(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         k, group, _size = ctx.args
-        parts = _wait(funcol.all_gather_tensor(g.contiguous().view(1, k, -1), gather_dim=0, group=group))
+        parts = waited(funcol.all_gather_tensor(g.contiguous().view(1, k, -1), gather_dim=0, group=group))
         return parts.transpose(0, 1).reshape(-1), None, None, None, None  # (size, k, m) → (k, size, m)
 
 
@@ -111,14 +112,14 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
         ctx.args = dim, group
-        return _wait(
+        return waited(
             funcol.reduce_scatter_tensor(x.contiguous(), "sum", scatter_dim=dim, group=_named(group))
         )
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         dim, group = ctx.args
-        return _wait(funcol.all_gather_tensor(g.contiguous(), gather_dim=dim, group=group)), None, None
+        return waited(funcol.all_gather_tensor(g.contiguous(), gather_dim=dim, group=group)), None, None
 
 
 def tp_reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
@@ -170,4 +171,5 @@ __all__ = [
     "tp_reduce_scatter",
     "tp_slice",
     "vocab_embedding",
+    "waited",
 ]

@@ -79,6 +79,13 @@ def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--tp", type=positive, default=None, help="fix the tensor-parallel degree")
     g.add_argument("--pp", type=positive, default=None, help="fix the pipeline-parallel degree")
     g.add_argument("--dp", type=positive, default=None, help="fix the data-parallel degree")
+    g.add_argument(
+        "--ep",
+        type=positive,
+        default=None,
+        help="fix the expert-parallel degree: each MoE layer's experts split over this many of the "
+        "data-parallel ranks (1: replicated; default: the planner picks)",
+    )
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="fix the ZeRO stage")
     g.add_argument("--micro-batch", type=positive, default=None, help="fix the micro-batch size")
     g.add_argument("--schedule", choices=list(SCHEDULES), default=None)
@@ -169,6 +176,7 @@ def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Constraints
         tp=args.tp,
         pp=args.pp,
         dp=args.dp,
+        ep=args.ep,
         zero=args.zero,
         micro_batch=args.micro_batch,
         schedule=args.schedule,

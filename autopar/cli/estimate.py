@@ -56,6 +56,9 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--pp", type=positive, default=1, help="pipeline-parallel degree (default 1)")
     p.add_argument("--dp", type=positive, default=None, help="data-parallel degree (default: the rest)")
+    p.add_argument(
+        "--ep", type=positive, default=1, help="expert-parallel degree, within dp (MoE models; default 1)"
+    )
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (default 0)")
     p.add_argument("--micro-batch", type=positive, default=1, help="sequences per micro-batch")
     p.add_argument("--global-batch", type=positive, required=True, help="sequences per step")
@@ -187,6 +190,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         virtual_stages=args.virtual_stages,
         tp=args.tp,
         pp=args.pp,
+        ep=args.ep,
         zero=args.zero,
         micro_batch=args.micro_batch,
         global_batch=args.global_batch,
@@ -234,6 +238,7 @@ def _print_estimate(console: Console, model: str, cluster: Any, st: Any, est: An
         f"{', leanest TP layout' if st.tp > 1 and st.tp_objective == 'memory' else ''}, {st.dtype}"
         f"{f', gradients reduced in {st.grad_reduce}' if st.dp > 1 and st.grad_reduce != 'fp32' else ''}"
         f"{f', HSDP {st.dp_replicate} × {st.dp_shard}' if st.dp_replicate > 1 else ''}"
+        f"{f', experts split over ep {st.ep}' if st.ep > 1 else ''}"
         f"{f', PowerSGD rank {st.powersgd_rank}' if st.powersgd_rank else ''}"
         f"{f', DDP buckets of {st.bucket_mb:g} MiB' if st.uses_ddp else ''}"
         f"{', blocks compiled' if st.compile == 'block' else ''}"

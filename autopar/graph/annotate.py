@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from autopar.graph.dispatch import DispatchCall, dispatch_call, ignored, storages, written
+from autopar.graph.experts import GROUPED_MM, op_name
 
 _aten = torch.ops.aten
 
@@ -96,6 +97,8 @@ class _FlopCounter(TorchDispatchMode):
             flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
         elif packet in _EXTRA_FLOPS:
             flops = int(_EXTRA_FLOPS[packet](*args, **kwargs))
+        elif op_name(packet) in GROUPED_MM:  # transformers' grouped_mm_fallback (≥ 5.25 on CPU)
+            flops = grouped_mm_flops(*args, **kwargs)
         self.flops += flops
         if ignored(func):
             return out

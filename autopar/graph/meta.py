@@ -3,6 +3,9 @@ and allocate only the parts a rank keeps."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -44,4 +47,46 @@ def capture_with_meta_parameters(model: nn.Module, *, batch: int, seq: int) -> C
     return captured
 
 
-__all__ = ["capture_with_meta_parameters", "materialize", "set_buffers"]
+@contextlib.contextmanager
+def parameters_as(model: nn.Module, dtype: torch.dtype) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside: every floating parameter of ``model`` replaced by an uninitialised stand-in of
+    ``dtype`` on its device (a tied weight by one stand-in). Yields stand-in id → the model's
+    parameter; restores them after."""
+    stand_ins: dict[int, nn.Parameter] = {}
+    originals: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_floating_point():
+                continue
+            if id(p) not in stand_ins:
+                stand = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=p.device), p.requires_grad)
+                stand_ins[id(p)], originals[id(stand)] = stand, p
+            module._parameters[name] = stand_ins[id(p)]
+            swapped.append((module, name, p))
+    try:
+        yield originals
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
+
+
+def capture_as(model: nn.Module, *, batch: int, seq: int, dtype: torch.dtype | None) -> CapturedModel:
+    """``capture_with_meta_parameters`` with the floating parameters seen in ``dtype`` (None: as
+    they are): the graph computes as the model does once FSDP2's mixed precision casts them, so
+    casts the model writes as ``.to(weight.dtype)`` or ``.to(x.dtype)`` are traced to ``dtype``,
+    not to the dtype the weights are stored in. The graph then reads the model's own parameters.
+    (Real weights get real stand-ins while it traces, on their device, which code may branch on:
+    ``dtype``'s bytes per parameter, freed after.)"""
+    if dtype is None:
+        return capture_with_meta_parameters(model, batch=batch, seq=seq)
+    with parameters_as(model, dtype) as originals:
+        captured = capture_with_meta_parameters(model, batch=batch, seq=seq)
+    for module in captured.gm.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in originals:
+                module._parameters[name] = originals[id(p)]  # type: ignore[assignment]
+    return captured
+
+
+__all__ = ["capture_as", "capture_with_meta_parameters", "materialize", "parameters_as", "set_buffers"]

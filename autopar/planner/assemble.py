@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from autopar.cluster import Cluster
 from autopar.cost_models.estimate import stage_chunks
-from autopar.cost_models.terms import rank_load
+from autopar.cost_models.rank_load import rank_load
 from autopar.errors import InfeasibleError
 from autopar.plan import Plan, StagePlan, validate_plan
 from autopar.planner.pricing import Pricer

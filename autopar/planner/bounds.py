@@ -24,7 +24,8 @@ import math
 from itertools import combinations
 
 from autopar.cost_models.dp_overlap import dp_exposed_s
-from autopar.cost_models.terms import RankLoad, Terms
+from autopar.cost_models.rank_load import RankLoad
+from autopar.cost_models.terms import Terms
 from autopar.planner.layout_ilp import block_bytes, fixed_rank_blocks, rank_budgets_bytes, rank_max_blocks
 
 
@@ -42,6 +43,7 @@ def _step_s(terms: Terms, blocks: int, allowed: tuple[str, ...], stage_s: float)
     st, u = terms.strategy, terms.block["none"]
     edges = (terms.embed, terms.head)
     params = blocks * u.params + sum(e.params for e in edges)
+    experts = blocks * u.expert_params / st.pp
     longest = max((terms.block[r] for r in allowed), key=lambda x: x.bwd_s)
     average = RankLoad(
         fwd_s=(blocks * u.fwd_s + sum(e.fwd_s for e in edges)) / st.pp,
@@ -54,11 +56,12 @@ def _step_s(terms: Terms, blocks: int, allowed: tuple[str, ...], stage_s: float)
         layers=(blocks + 2) // st.pp,
         act_bytes=0.0,
         rematerialises=False,
+        expert_params=experts,
     )
     rounds = st.micro_batches + terms.bubble_rounds
     return (
         rounds * (stage_s + terms.p2p_s)
-        + params / st.pp * terms.opt_s_per_param
+        + terms.weighted(params / st.pp, experts, "optimizer") * terms.opt_s_per_param
         + dp_exposed_s(terms, average)
     )
 

@@ -14,17 +14,19 @@ from autopar.strategy import DDP_BUCKET_MB, runs_on_ddp
 
 
 def comm_knobs(
-    request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int
+    request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int, ep: int = 1
 ) -> Iterator[tuple[str, int, int, float]]:
-    """(grad_reduce, dp_replicate, powersgd_rank, bucket_mb) worth pricing for these degrees."""
-    for reduce in _grad_reduces(request, tp=tp, pp=pp, dp=dp, zero=zero):
-        for replicas in _replicas(request, tp=tp, dp=dp, zero=zero):
-            for rank in _powersgd_ranks(request, tp=tp, pp=pp, dp=dp, zero=zero, reduce=reduce):
-                for bucket in _buckets(request, tp=tp, pp=pp, dp=dp, zero=zero):
+    """(grad_reduce, dp_replicate, powersgd_rank, bucket_mb) worth pricing for these degrees
+    (expert parallelism runs on FSDP2 without HSDP: no DDP knob, one replica)."""
+    degrees = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "ep": ep}
+    for reduce in _grad_reduces(request, **degrees):
+        for replicas in _replicas(request, tp=tp, dp=dp, zero=zero) if ep == 1 else [1]:
+            for rank in _powersgd_ranks(request, **degrees, reduce=reduce):
+                for bucket in _buckets(request, **degrees):
                     yield reduce, replicas, rank, bucket
 
 
-def _grad_reduces(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int) -> list[str]:
+def _grad_reduces(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int, ep: int) -> list[str]:
     """The gradient reduction dtypes worth pricing: the constraint's; fp32 at dp 1 (nothing is
     reduced) or where bf16 would be lossy and not allowed (``Strategy.lossy_comm``); else bf16
     alone — half the bytes, the same compute and memory under FSDP2, so never slower — but both
@@ -35,7 +37,7 @@ def _grad_reduces(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int)
         return [c.grad_reduce]
     if dp == 1 or not (request.dtype == "bf16" or c.allow_lossy_comm):
         return ["fp32"]
-    return ["fp32", "bf16"] if runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero) else ["bf16"]
+    return ["fp32", "bf16"] if runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero, ep=ep) else ["bf16"]
 
 
 def _replicas(request: PlanRequest, *, tp: int, dp: int, zero: int) -> list[int]:
@@ -59,11 +61,13 @@ POWERSGD_RANK = 4
 rank 1–4 to uncompressed accuracy; torch's docs suggest starting at 1–4)."""
 
 
-def _powersgd_ranks(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int, reduce: str) -> list[int]:
+def _powersgd_ranks(
+    request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int, ep: int, reduce: str
+) -> list[int]:
     """PowerSGD ranks worth pricing: the constraint's where the plan runs on DDP with fp32
     reduction (``Strategy.powersgd_rank``); else 0, and ``POWERSGD_RANK`` too where the user
     allows lossy communication and DDP's all-reduce leaves the node."""
-    c, ddp = request.constraints, runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero) and reduce == "fp32"
+    c, ddp = request.constraints, runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero, ep=ep) and reduce == "fp32"
     if c.powersgd_rank is not None:
         return [c.powersgd_rank] if c.powersgd_rank == 0 or ddp else []
     crosses = dp * tp > request.cluster.gpus_per_node
@@ -75,11 +79,11 @@ BUCKET_MBS = (DDP_BUCKET_MB, 100.0, 400.0)
 default and 4× and 16× it (fewer latencies per step for a longer last bucket; ``cost_models.buckets``)."""
 
 
-def _buckets(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int) -> list[float]:
+def _buckets(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int, ep: int) -> list[float]:
     """DDP bucket caps worth pricing (``Strategy.bucket_mb``): torch's default on every plan not
     on DDP; on DDP the constraint's, else ``BUCKET_MBS`` where the all-reduce leaves the node
     (its latency, per bucket, is the inter-node one) and the default inside a node."""
-    if not runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero):
+    if not runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero, ep=ep):
         return [DDP_BUCKET_MB]
     c = request.constraints
     if c.bucket_mb is not None:

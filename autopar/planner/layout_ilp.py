@@ -41,7 +41,8 @@ def block_bytes(terms: Terms, rank: int, recompute: str) -> float:
     """One block's memory on rank ``rank`` with ``recompute``: its model states and its
     activations times the micro-batches in flight there."""
     u = terms.block[recompute]
-    return u.params * terms.state_bytes_per_param + terms.inflight[rank] * u.act_bytes
+    states = terms.weighted(u.params, u.expert_params, "state") * terms.state_bytes_per_param
+    return states + terms.inflight[rank] * u.act_bytes
 
 
 def rank_max_blocks(
@@ -51,7 +52,7 @@ def rank_max_blocks(
     the ILP solved for one rank; ``budgets``: ``rank_budgets_bytes`` if already known). Mixing
     choices never holds more than the leanest one."""
     u = terms.block[recompute]
-    states = u.params * terms.state_bytes_per_param
+    states = terms.weighted(u.params, u.expert_params, "state") * terms.state_bytes_per_param
     rebuilt = u.act_full_bytes if remat(recompute) else 0.0  # its backward rebuilds one block
     out = []
     for budget, inflight in zip(budgets or rank_budgets_bytes(terms, capacity), terms.inflight, strict=True):
@@ -151,11 +152,12 @@ class LayoutILP:
             self.prob += count == self.fixed[k], f"interleaved_even_split_{k}"
         else:  # a block per chunk (interleaved: but the embedding's and the head's chunks)
             self.prob += count >= st.min_rank_blocks(k), f"chunks_non_empty_{k}"
-        params_k = self.lin(k, "params")
+        params_k, experts_k = self.lin(k, "params"), self.lin(k, "expert_params")
         # compute + recompute + TP comm of one micro-batch on this rank
         self.prob += self.slowest >= self.lin(k, "time_s", ts), f"stage_time_{k}"
         # model states + in-flight activations + rematerialised layer + loss + buffers + reserve
-        memory_k = params_k * terms.state_bytes_per_param * ms + terms.inflight[k] * self.lin(
+        states_k = terms.weighted(params_k, experts_k, "state")  # experts: ZeRO over dp/ep ranks
+        memory_k = states_k * terms.state_bytes_per_param * ms + terms.inflight[k] * self.lin(
             k, "act_bytes", ms
         )
         if self.has_remat:  # one block's activations rebuilt in backward (full or a policy)
@@ -167,10 +169,11 @@ class LayoutILP:
                 )
         fixed_mem = terms.buffers[k] + terms.reserve_bytes + (terms.loss_bytes if k == st.head_rank else 0.0)
         self.prob += memory_k + fixed_mem * ms <= 1.0, f"memory_{k}"
-        self.prob += self.opt_time >= params_k * terms.opt_s_per_param * ts, f"optimizer_{k}"
+        opt_k = terms.weighted(params_k, experts_k, "optimizer")
+        self.prob += self.opt_time >= opt_k * terms.opt_s_per_param * ts, f"optimizer_{k}"
         if st.dp > 1:
             layers_k = count + int(k == 0) + int(k == st.head_rank)
-            self.add_dp_exposure(k, params_k, layers_k)
+            self.add_dp_exposure(k, terms.weighted(params_k, experts_k, "comm"), layers_k)
 
     def add_dp_exposure(
         self, k: int, params_k: pulp.LpAffineExpression, layers_k: pulp.LpAffineExpression

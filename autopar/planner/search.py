@@ -27,6 +27,7 @@ tried only on request.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -141,31 +142,41 @@ def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> l
     return out
 
 
+def _expert_degrees(c: Constraints, *, tp: int, dp: int, experts: int) -> list[int]:
+    """ep choices: the constraint's where it fits; else 1 and, for a model with routed experts
+    at tp = 1, every ep > 1 dividing both dp and the experts (``Strategy.ep``)."""
+    fits = [e for e in _divisors(dp) if e == 1 or (tp == 1 and experts and experts % e == 0)]
+    return [e for e in fits if e == c.ep] if c.ep is not None else fits
+
+
 def outer_strategies(
-    request: PlanRequest, *, blocks: int, heads: int | None, policies: tuple[RecomputePolicy, ...] = ()
+    request: PlanRequest,
+    *,
+    blocks: int,
+    heads: int | None,
+    policies: tuple[RecomputePolicy, ...] = (),
+    experts: int = 0,
 ) -> list[Strategy]:
     """Every outer choice allowed by the model, the cluster and the constraints (each carrying
-    the per-operator recompute ``policies`` its layout may use)."""
+    the per-operator recompute ``policies`` its layout may use; ``experts``: routed experts per
+    MoE layer, 0 for a dense model)."""
     c = request.constraints
     out: list[Strategy] = []
     for tp, pp, dp in _degrees(request, blocks, heads):
         per_replica = request.global_batch // dp
         # both where tp > 1: the per-operator layouts with and without SP issue different collectives
-        sps = (
-            [c.sequence_parallel]
-            if c.sequence_parallel is not None
-            else ([False, True] if tp > 1 else [False])
-        )
+        sps = [c.sequence_parallel] if c.sequence_parallel is not None else [False, True][: 1 + (tp > 1)]
         compiles = [c.compile] if c.compile is not None else ["off", "block"]
         zeros = [c.zero] if c.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+        eps = _expert_degrees(c, tp=tp, dp=dp, experts=experts)
         # micro-batch sizes up to the largest tried (not every divisor of a huge batch)
         sizes = [c.micro_batch] if c.micro_batch else range(1, min(per_replica, c.max_micro_batch) + 1)
         for b in sizes:
             if b > c.max_micro_batch or per_replica % b:
                 continue
             schedules = _schedules(c, pp=pp, micro_batches=per_replica // b, blocks=blocks)
-            knobs = ((s, sp, z, k) for s in schedules for sp in sps for z in zeros for k in compiles)
-            for (schedule, v), sp, zero, compiled in knobs:
+            knobs = itertools.product(schedules, sps, zeros, compiles, eps)
+            for (schedule, v), sp, zero, compiled, ep in knobs:
                 if (sp and tp == 1) or not runs_with_zero(schedule, zero):
                     continue
                 out.extend(
@@ -173,6 +184,7 @@ def outer_strategies(
                         tp=tp,
                         pp=pp,
                         dp=dp,
+                        ep=ep,
                         zero=zero,
                         micro_batch=b,
                         global_batch=request.global_batch,
@@ -189,7 +201,9 @@ def outer_strategies(
                         compile=compiled,
                         policies=policies,
                     )
-                    for reduce, replicas, rank, bucket in comm_knobs(request, tp=tp, pp=pp, dp=dp, zero=zero)
+                    for reduce, replicas, rank, bucket in comm_knobs(
+                        request, tp=tp, pp=pp, dp=dp, zero=zero, ep=ep
+                    )
                 )
     return measured_first(request.cluster, out)
 
@@ -310,7 +324,9 @@ def _candidates(request: PlanRequest, pricer: Pricer) -> tuple[tuple[str, ...], 
     c, base = request.constraints, pricer.profiles.base
     wants = any(r not in RECOMPUTE for r in c.recompute)  # per-operator policies allowed
     allowed, policies = recompute_choices(c.recompute, pricer.policies if wants else ())
-    strategies = outer_strategies(request, blocks=base.blocks, heads=base.heads, policies=policies)
+    strategies = outer_strategies(
+        request, blocks=base.blocks, heads=base.heads, policies=policies, experts=base.experts
+    )
     if c.tp_objective is None:  # fastest and leanest TP layouts
         strategies = [v for st in strategies for v in pricer.layouts.variants(st)]
     return allowed, strategies

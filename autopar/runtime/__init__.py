@@ -1,16 +1,18 @@
 """The runtime: a Plan applied to a model on this rank, as one straight sequence of steps that
 every plan runs through (a degree of 1 skips its step):
 
-    capture → tensor-parallel pass → loss split → stage split → outline blocks → recompute
-            → compile blocks → data parallel (DDP / ZeRO-1 / FSDP2) → allocate → optimizers → schedule
+    capture → tensor-parallel pass → expert-parallel pass → loss split → stage split
+            → outline blocks (and their experts) → recompute → compile blocks
+            → data parallel (DDP / ZeRO-1 / FSDP2; experts over their own ranks) → allocate
+            → optimizers → schedule
 
 Only torch.distributed does the work: DeviceMesh, DTensor, DDP and ``ZeroRedundancyOptimizer``,
 FSDP2 ``fully_shard`` with mixed precision, ``checkpoint_wrapper``, ``torch.distributed.
 pipelining`` schedules, and DCP for checkpoints (``ParallelModel.state_dict``). The runtime
 never plans: ``autopar.parallelize`` plans first when it is given a cluster.
 
-    steps.py       capture, TP pass, stage split, outlining, recompute, compile, tied parameters
-    sharding.py    mesh, mixed precision, DDP / ZeRO-1 / FSDP2, allocation, optimizers
+    steps.py       capture, TP and EP passes, stage split, outlining, recompute, compile, tied parameters
+    sharding.py    mesh, mixed precision, DDP / ZeRO-1 / FSDP2 (and the experts'), allocation, optimizers
     schedules.py   the micro-batch loop (pp = 1) or the pipeline schedule
     model.py       ParallelModel: train_step, eval_step, checkpoint state
     state.py       the checkpoint layout (DCP, ZeRO-1, fused-QKV shards)
@@ -50,6 +52,7 @@ from autopar.runtime.state import fqn
 from autopar.runtime.steps import (
     apply_capture,
     apply_compile,
+    apply_expert_parallel,
     apply_loss_split,
     apply_outline_blocks,
     apply_pipeline_split,
@@ -87,9 +90,9 @@ def parallelize(
     mesh = make_mesh(plan)
     if st.tp > 1:
         agree_on_rng(mesh["tp"].get_group())  # replicated activations draw the same dropout masks
-    stages = apply_capture(model, plan)
-    objective = graph_objective(stages, objective)
+    objective = graph_objective(stages := apply_capture(model, plan), objective)
     apply_tensor_parallel(stages, plan, mesh["tp"])
+    apply_expert_parallel(stages, plan, mesh)
     apply_loss_split(stages, plan, objective)
     apply_pipeline_split(stages, plan, mesh)
     apply_outline_blocks(stages)

@@ -20,10 +20,13 @@ from torch import nn
 from autopar.graph.meta import materialize
 from autopar.plan import Plan
 from autopar.runtime.distributed import device_type, local_device
-from autopar.runtime.steps import Stages
+from autopar.runtime.steps import Stages, compute_dtype
 
 HSDP_DIMS = ("dp_replicate", "dp_shard")
 """The two mesh dims of an HSDP plan's data-parallel axis (torchtitan's names)."""
+EP_DIMS = ("edp", "ep")
+"""The two mesh dims of an expert-parallel plan's data-parallel axis: the ep ranks that split
+each MoE layer's experts, and the dp / ep ranks holding the same experts (ZeRO's group for them)."""
 
 
 def make_mesh(plan: Plan) -> Any:
@@ -32,6 +35,11 @@ def make_mesh(plan: Plan) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     st = plan.strategy
+    if st.ep > 1:  # dp as (dp / ep, ep): the ep ranks of a group consecutive (EP_DIMS)
+        shape = (st.pp, st.dp // st.ep, st.ep, st.tp)
+        mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("pp", *EP_DIMS, "tp"))
+        mesh[EP_DIMS]._flatten("dp")
+        return mesh
     if st.dp_replicate == 1:
         return init_device_mesh(device_type(), (st.pp, st.dp, st.tp), mesh_dim_names=("pp", "dp", "tp"))
     shape = (st.pp, st.dp_replicate, st.dp_shard, st.tp)
@@ -44,14 +52,6 @@ def fsdp_mesh(plan: Plan, mesh: Any) -> Any:
     """The mesh FSDP2 shards over: the DP axis, or its (replicate, shard) dims under HSDP (a 2-D
     mesh is FSDP2's hybrid sharding: shard on the second dim, replicate on the first)."""
     return mesh[HSDP_DIMS] if plan.strategy.dp_replicate > 1 else mesh["dp"]
-
-
-def compute_dtype(model: nn.Module, plan: Plan) -> torch.dtype | None:
-    """bf16/fp16 plans on fp32 weights compute in half precision with fp32 master weights (the
-    gradients reduced in the plan's ``grad_reduce`` dtype); None when the plan is fp32 or the
-    weights already are the compute dtype."""
-    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.strategy.dtype)
-    return half if next(model.parameters()).dtype == torch.float32 else None
 
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -123,8 +123,33 @@ def apply_data_parallel(stages: Stages, plan: Plan, mesh: Any, half: torch.dtype
         stages.modules[0] = ddp
         return False
     for stage in stages.modules.values():
+        shard_experts(stage, stages.experts, plan, mesh, half)
         shard_over_dp(stage, plan, fsdp_mesh(plan, mesh), half)
     return True
+
+
+def shard_experts(
+    stage: nn.Module, experts: list[str], plan: Plan, mesh: Any, half: torch.dtype | None
+) -> None:
+    """ep > 1: FSDP2 on each outlined experts module of the stage over the ranks holding the same
+    experts (mesh dim ``edp``), before the blocks. It averages their gradients over those dp / ep
+    ranks; ``passes.expert_parallel.combine`` has divided them by ep (each rank's sum the rows of
+    its whole ep group): the mean over every data-parallel rank, as for the other weights. (FSDP2's
+    own ``set_gradient_divide_factor`` would reduce with PREMUL_SUM, which gloo lacks.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar.runtime.state import fqn
+
+    st = plan.strategy
+    wanted = set(experts)
+    for name, module in stage.named_modules():
+        if fqn(name) in wanted:
+            fully_shard(
+                module,
+                mesh=mesh["edp"],
+                reshard_after_forward=st.zero == 3,
+                mp_policy=fsdp_policy(half, st.grad_reduce),
+            )
 
 
 POWERSGD_START_ITER = 10

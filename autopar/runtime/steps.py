@@ -11,16 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import fx, nn
 
 from autopar.graph import CapturedModel
-from autopar.graph.meta import capture_with_meta_parameters
+from autopar.graph.meta import capture_as
 from autopar.graph.objective import Objective
 from autopar.passes.compile import compile_blocks
+from autopar.passes.expert_parallel import EXPERTS, expert_parallel, outline_experts
 from autopar.passes.loss_split import split_loss
-from autopar.passes.pipeline_split import fill_layers, outline_blocks, split_stages, stage_chunks
-from autopar.passes.recompute import recompute
+from autopar.passes.pipeline_split import fill_layers, install, outline_blocks, split_stages, stage_chunks
+from autopar.passes.recompute import has_submodule, recompute
 from autopar.plan import Plan
 
 
@@ -47,6 +49,9 @@ class Stages:
     targets."""
     loss_kept: int = 0
     """How many of the last stage's outputs are the model's own (the rest feed ``loss_graph``)."""
+    experts: list[str] = field(default_factory=list)
+    """ep > 1: the module paths of this rank's routed experts (outlined; FSDP2 shards each over
+    the data-parallel ranks holding the same experts)."""
 
     @property
     def count(self) -> int:
@@ -59,17 +64,30 @@ class Stages:
         return [self.modules[c] for c in sorted(self.modules)]
 
 
+def compute_dtype(model: nn.Module, plan: Plan) -> torch.dtype | None:
+    """bf16/fp16 plans on fp32 weights compute in half precision with fp32 master weights (the
+    gradients reduced in the plan's ``grad_reduce`` dtype); None when the plan is fp32 or the
+    weights already are the compute dtype."""
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.strategy.dtype)
+    return half if next(model.parameters()).dtype == torch.float32 else None
+
+
 def capture_graph(model: nn.Module, plan: Plan) -> Stages:
-    """The model captured at the plan's micro-batch shape (meta parameters allowed)."""
+    """The model captured at the plan's micro-batch shape (meta parameters allowed). With dp > 1
+    FSDP2 will cast the weights to the compute dtype (``sharding.fsdp_policy``): the graph is
+    captured as the model computes then (``graph.meta.capture_as``); at dp = 1 the stages run
+    under autocast, on the weights as they are."""
     st = plan.strategy
-    captured = capture_with_meta_parameters(model, batch=st.micro_batch, seq=st.seq)
+    half = compute_dtype(model, plan) if st.dp > 1 else None
+    captured = capture_as(model, batch=st.micro_batch, seq=st.seq, dtype=half)
     return Stages(modules={}, captured=captured, names=[layer.name for layer in captured.layers])
 
 
 def apply_capture(model: nn.Module, plan: Plan) -> Stages:
-    """tp > 1 or pp > 1: ``capture_graph``. Otherwise the model itself, as written."""
+    """tp, pp or ep > 1: ``capture_graph``. Otherwise the model itself, as written."""
     st = plan.strategy
-    return Stages(modules={0: model}) if st.tp == 1 and st.pp == 1 else capture_graph(model, plan)
+    as_written = st.tp == 1 and st.pp == 1 and st.ep == 1
+    return Stages(modules={0: model}) if as_written else capture_graph(model, plan)
 
 
 def graph_objective(stages: Stages, objective: Objective) -> Objective:
@@ -88,6 +106,13 @@ def apply_tensor_parallel(stages: Stages, plan: Plan, tp_mesh: Any) -> None:
 
         gm, stages.partial = tensor_parallel_for_plan(stages.captured, plan, tp_mesh)
     stages.gm = fill_layers(gm)
+
+
+def apply_expert_parallel(stages: Stages, plan: Plan, mesh: Any) -> None:
+    """ep > 1: each MoE layer's experts split over the mesh's ep axis, rows sent to them and
+    back by all-to-all (``passes.expert_parallel``)."""
+    if plan.strategy.ep > 1 and stages.gm is not None:
+        stages.gm = expert_parallel(stages.gm, mesh["ep"])
 
 
 def apply_loss_split(stages: Stages, plan: Plan, objective: Objective) -> None:
@@ -119,9 +144,27 @@ def apply_pipeline_split(stages: Stages, plan: Plan, mesh: Any) -> None:
 
 def apply_outline_blocks(stages: Stages) -> None:
     """Blocks of a captured graph become submodules at their own paths (FSDP2 shards them,
-    ``checkpoint_wrapper`` recomputes them, parameter FQNs stay the model's)."""
-    if stages.gm is not None:
-        stages.modules = {c: outline_blocks(m, stages.names) for c, m in stages.modules.items()}
+    ``checkpoint_wrapper`` recomputes them, parameter FQNs stay the model's); under expert
+    parallelism each block's experts become a submodule of it (``passes.expert_parallel``)."""
+    if stages.gm is None:
+        return
+    stages.modules = {c: outline_blocks(m, stages.names) for c, m in stages.modules.items()}
+    if not any(EXPERTS in n.meta for n in stages.gm.graph.nodes):
+        return
+    for module in stages.modules.values():
+        for name, block in _blocks(module, stages.names):
+            outlined, children = outline_experts(block, name)
+            install(module, name, outlined)
+            stages.experts.extend(f"{name}.{c}" for c in children)
+
+
+def _blocks(module: nn.Module, names: list[str]) -> list[tuple[str, fx.GraphModule]]:
+    """The outlined blocks of a stage module, by path."""
+    return [
+        (n, m)
+        for n in names
+        if has_submodule(module, n) and isinstance(m := module.get_submodule(n), fx.GraphModule)
+    ]
 
 
 def apply_recompute(stages: Stages, plan: Plan) -> None:

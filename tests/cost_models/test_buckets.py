@@ -13,7 +13,8 @@ from autopar import Cluster
 from autopar.cost_models.buckets import ddp_buckets, last_bucket_s, overlap_share
 from autopar.cost_models.dp_overlap import dp_exposed_s
 from autopar.cost_models.memory import comm_buffer_bytes
-from autopar.cost_models.terms import build_terms, rank_load
+from autopar.cost_models.rank_load import rank_load
+from autopar.cost_models.terms import build_terms
 from autopar.strategy import Strategy, StrategyError
 from autopar.zoo import GPT, GPTConfig
 

@@ -67,7 +67,16 @@ def _layouts(blocks: int, st: Strategy, allowed: tuple[str, ...], choices: tuple
         yield from itertools.product(*per_rank)
 
 
-def brute_force(profile_at, cluster: Cluster, *, global_batch: int, c: Constraints) -> float:
+def brute_force(
+    profile_at,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    c: Constraints,
+    blocks: int = LAYERS,
+    seq: int = SEQ,
+    experts: int = 0,
+) -> float:
     """The best step time over the whole space, by enumerating every strategy and layout,
     including GPipe (the planner prunes it by dominance: 1F1B's time with less memory)."""
     capacity = min(cluster.device.memory_bytes, c.memory_cap_bytes or math.inf)
@@ -77,14 +86,14 @@ def brute_force(profile_at, cluster: Cluster, *, global_batch: int, c: Constrain
     for schedule, sp in itertools.product(SCHEDULES, (True, False)):
         cc = replace(c, schedule=schedule, sequence_parallel=sp)
         request = PlanRequest(
-            model="tiny", cluster=cluster, global_batch=global_batch, seq=SEQ, constraints=cc
+            model="tiny", cluster=cluster, global_batch=global_batch, seq=seq, constraints=cc
         )
-        space |= set(outer_strategies(request, blocks=LAYERS, heads=4))
+        space |= set(outer_strategies(request, blocks=blocks, heads=4, experts=experts))
     # the per-operator policies the planner finds, each enumerated like none, selective and full
     allowed, policies = recompute_choices(c.recompute, frontier(profile_at.base, cluster, "bf16"))
     for st in (replace(v, policies=policies) for s in space for v in layouts.variants(s)):
         prof = profile_at.at(st.micro_batch)
-        for layout in _layouts(LAYERS, st, allowed, st.choices):
+        for layout in _layouts(blocks, st, allowed, st.choices):
             chosen = replace(st, layout=layout)
             est = estimate(prof, cluster, chosen, reserve_bytes=c.reserve_bytes, tp_layout=layouts(st))
             if all(m.peak_bytes <= capacity for m in est.memory):
@@ -125,6 +134,40 @@ def test_planner_optimum_equals_brute_force(profile_at, gpn, nodes, batch, cap_m
         return
     result = plan_with(profile_at, cluster, batch=batch, c=c)
     assert result.plan.predicted["step_time_s"] == pytest.approx(expected, rel=MIP_GAP)
+
+
+@pytest.fixture(scope="module")
+def moe_at():
+    from autopar.zoo import hf
+
+    with torch.device("meta"):
+        model = hf.family("mixtral").to(torch.bfloat16)  # 2 blocks, 4 experts top-2
+    return ModelProfiles.of(model, dtype="bf16", seq=16)
+
+
+@pytest.mark.parametrize(("gpn", "nodes", "cap_mib"), [(4, 1, None), (2, 2, None), (4, 2, None), (4, 1, 1.5)])
+def test_planner_optimum_with_experts_equals_brute_force(moe_at, gpn, nodes, cap_mib) -> None:
+    """ep searched with the other knobs (every ep dividing dp and the 4 experts, at tp = 1)."""
+    cluster = Cluster.preset("dgx-a100-80g", nodes=nodes, gpus_per_node=gpn)
+    c = Constraints(
+        memory_cap_bytes=cap_mib * 2**20 if cap_mib else None,
+        reserve_bytes=0.0,
+        recompute=("none", "full"),
+        max_micro_batch=2,
+    )
+    expected = brute_force(moe_at, cluster, global_batch=8, c=c, blocks=2, seq=16, experts=4)
+    result = plan_with(moe_at, cluster, batch=8, seq=16, c=c)
+    assert result.plan.predicted["step_time_s"] == pytest.approx(expected, rel=MIP_GAP)
+    eps = {
+        st.ep
+        for st in outer_strategies(
+            PlanRequest(model="tiny", cluster=cluster, global_batch=8, seq=16, constraints=c),
+            blocks=2,
+            heads=4,
+            experts=4,
+        )
+    }
+    assert eps == {e for e in (1, 2, 4) if (gpn * nodes) % e == 0}
 
 
 def test_some_instances_bind_memory(profile_at) -> None:

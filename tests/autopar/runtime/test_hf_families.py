@@ -43,6 +43,7 @@ PLANS = {
     "dp2-zero3": dict(tp=1, pp=1, dp=2, zero=3),
     "tp2": dict(tp=2, pp=1, dp=1, tp_objective="memory"),
     "pp2": dict(tp=1, pp=2, dp=1),
+    "ep2": dict(tp=1, pp=1, dp=2, ep=2, zero=1),
 }
 
 KINDS = {
@@ -52,11 +53,13 @@ KINDS = {
         *("deepseek-v3", "nanogpt"),
     ),
     "dp2-zero3": ("gpt2", "gemma", "phi3", "opt", "nanogpt"),
+    "ep2": ("mixtral", "qwen2-moe", "deepseek-v3"),
 }
 """Which families each plan runs: TP2 every one (each attention form is split differently); PP2
 and ZeRO-3 the ones whose parameters, buffers or masks differ in kind (tied and Conv1D weights,
 norm offsets, ALiBi, multi-query, fused gate/up, learned position offsets) — the rest repeat
-them (both passes are generic in the graph's structure)."""
+them (both passes are generic in the graph's structure); EP2 the routed-expert families whose
+MoE blocks differ (plain, with a gated shared expert, DeepSeek-V3's group-limited routing)."""
 
 
 def _plan(make, knobs: dict, profiles: ModelProfiles) -> Plan:
@@ -121,6 +124,8 @@ def sweep(tmp_path_factory):
 def test_family_trains_like_one_process(sweep, name: str, kind: str) -> None:
     plan, verdict = sweep[name, kind]
     assert verdict.passed, f"{name} {kind}: {verdict.first_failure}"
+    if kind == "ep2":  # each rank holds half of every MoE layer's experts
+        assert plan.strategy.ep == 2 and "expert parallel" in plan.text()
     if kind == "tp2":  # split for real: weights column/row-parallel and attention over heads
         block = dict(plan.tensor_parallel)[plan.tensor_parallel[0][0]]
         shardings = {strategy for _, strategy, _ in block if strategy in SHARDING}

@@ -1,0 +1,94 @@
+"""Expert parallelism's price against hand arithmetic: the all-to-all, a MoE layer's exchanges per
+micro-batch, expert parameters ÷ ep, and their states ZeRO-sharded over the dp / ep ranks
+holding the same experts."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+
+from autopar.cluster import Cluster
+from autopar.cost_models import comm
+from autopar.cost_models.estimate import estimate
+from autopar.cost_models.experts import COUNT_BYTES, expert_factors
+from autopar.planner import ModelProfiles
+from autopar.strategy import Strategy, StrategyError, check_strategy
+from autopar.zoo import hf
+
+SEQ = 16
+
+
+@functools.cache
+def _profile():
+    with torch.device("meta"):
+        model = hf.family("mixtral")  # 2 blocks of 4 experts, top-2; hidden 64
+    return ModelProfiles.of(model, dtype="fp32", seq=SEQ).at(2)
+
+
+def _cluster(gpus: int = 4) -> Cluster:
+    return Cluster.preset("cpu", gpus_per_node=gpus)
+
+
+def test_all_to_all_is_the_pairwise_exchange() -> None:
+    link = comm.group_link(_cluster(), size=4, stride=1)
+    a, beta = link.latency_s, link.bandwidth_bytes_per_s
+    assert comm.all_to_all_time_s(1e6, 4, link) == pytest.approx(3 * a + 3 / 4 * 1e6 / beta)
+    assert comm.all_to_all_time_s(1e6, 1, link) == 0.0
+
+
+def test_a_moe_block_is_profiled_with_its_experts_and_exchanges() -> None:
+    block = _profile().layer_types["MixtralDecoderLayer"]
+    assert block.experts == 4
+    # gate_up (4, 2·128, 64) and down (4, 64, 128): an FFN of 128 per expert
+    assert block.expert_params == 4 * (2 * 128 * 64 + 64 * 128)
+    # dispatch and combine: b·s·top-k rows of 64 fp32 each way
+    assert block.a2a_bytes == 2 * (2 * SEQ * 2) * 64 * 4
+
+
+def test_ep2_prices_the_all_to_alls_and_splits_the_experts() -> None:
+    profile, cluster = _profile(), _cluster()
+    st = Strategy(dp=4, ep=2, zero=1, micro_batch=2, global_batch=16, seq=SEQ, dtype="fp32")
+    one, two = estimate(profile, cluster, replace(st, ep=1)), estimate(profile, cluster, st)
+    block = profile.layer_types["MixtralDecoderLayer"]
+    link = comm.group_link(cluster, size=2, stride=1)
+    a2a = functools.partial(comm.all_to_all_time_s, n=2, link=link)
+    per_block = a2a(COUNT_BYTES * 4) + 2 * a2a(block.a2a_bytes / 2) + 2 * a2a(block.a2a_bytes / 2)
+    m = st.micro_batches
+    assert two.breakdown_s["ep_comm"] == pytest.approx(m * 2 * per_block)
+    assert "ep_comm" not in one.breakdown_s
+    # fp32 ZeRO-1: weights and gradients 4 B each per parameter held, optimizer 8 B over its shards;
+    # the experts: half of them held, their optimizer states over the dp / ep = 2 ranks holding them
+    e = block.expert_params * profile.blocks
+    dense = profile.total_params - e
+    mem = two.memory[0]
+    assert mem.weights == pytest.approx(4 * (dense + e / 2))
+    assert mem.gradients == pytest.approx(4 * (dense + e / 2))
+    assert mem.optimizer == pytest.approx(8 * dense / 4 + 8 * (e / 2) / 2)
+    assert one.memory[0].optimizer == pytest.approx(8 * (dense + e) / 4)  # the same sharded bytes
+
+
+def test_expert_factors_follow_the_shard_groups() -> None:
+    cluster = _cluster()
+    st = Strategy(dp=4, ep=2, zero=1, global_batch=16, seq=SEQ, dtype="fp32")
+    f = expert_factors(cluster, st)
+    # ring all-reduce bytes term: (n − 1)/n over 2 ranks against 4 (one link inside the node)
+    assert f["expert_comm"] == pytest.approx((1 / 2) / (3 / 4))
+    assert f["expert_optimizer"] == 2.0  # a rank updates 1/2 of its experts, not 1/4
+    # ZeRO-1 fp32: 4 + 4 + 8/e bytes per parameter, e = 2 against 4
+    assert f["expert_state"] == pytest.approx((4 + 4 + 8 / 2) / (4 + 4 + 8 / 4))
+    assert expert_factors(cluster, replace(st, dp=2, global_batch=8))["expert_comm"] == 0.0  # e = 1
+
+
+def test_ep_must_divide_dp_and_the_experts() -> None:
+    with pytest.raises(StrategyError, match="must divide dp"):
+        Strategy(dp=4, ep=3, global_batch=12)
+    with pytest.raises(StrategyError, match="tp = 1"):
+        Strategy(dp=2, tp=2, ep=2, global_batch=8)
+    st = Strategy(dp=8, ep=8, global_batch=8)
+    with pytest.raises(StrategyError, match="has 4 routed experts"):
+        check_strategy(st, world_size=8, blocks=2, heads=4, experts=4)
+    with pytest.raises(StrategyError, match="no routed experts"):
+        check_strategy(replace(st, ep=2), world_size=8, blocks=2, heads=4)
