@@ -58,7 +58,8 @@ class Pricer:
     def terms(self, st: Strategy) -> Terms:
         """The linear terms of ``st``'s outer knobs (``cost_models.terms``)."""
         prof = self.profiles.at(st.micro_batch)
-        key = (st.tp, st.sequence_parallel, st.tp_objective, st.micro_batch, st.policies, st.compile)
+        # what ``layer_units`` reads of the strategy (ep: its all-to-alls and local experts)
+        key = (st.tp, st.sequence_parallel, st.tp_objective, st.micro_batch, st.policies, st.compile, st.ep)
         if key not in self._units:
             self._units[key] = layer_units(prof, self.cluster, st, self.layouts(st))
         return build_terms(prof, self.cluster, st, units=self._units[key], reserve_bytes=self.reserve_bytes)

@@ -92,3 +92,21 @@ def test_ep_must_divide_dp_and_the_experts() -> None:
         check_strategy(st, world_size=8, blocks=2, heads=4, experts=4)
     with pytest.raises(StrategyError, match="no routed experts"):
         check_strategy(replace(st, ep=2), world_size=8, blocks=2, heads=4)
+
+
+def test_the_planner_prices_each_ep_on_its_own_terms() -> None:
+    """The pricer's per-layer units are cached per outer knobs: ep is one of them (a plan
+    searched freely once reused ep 1's units for ep 4 and missed the faster plan)."""
+    from autopar.planner.pricing import Pricer
+
+    with torch.device("meta"):
+        model = hf.family("mixtral")
+    pricer = Pricer(ModelProfiles.of(model, dtype="fp32", seq=SEQ), _cluster(), dtype="fp32")
+    st = Strategy(dp=4, zero=1, micro_batch=2, global_batch=16, seq=SEQ, dtype="fp32")
+    one, two = pricer.terms(st), pricer.terms(replace(st, ep=2))
+    assert one.block["none"].ep_s == 0.0 < two.block["none"].ep_s
+    assert two.block["none"].params < one.block["none"].params
+    assert (
+        pricer.estimate(replace(st, ep=2)).step_time_s
+        == estimate(_profile(), _cluster(), replace(st, ep=2)).step_time_s
+    )
