@@ -153,16 +153,16 @@ def _print_why(console: Console, alternatives: list[dict[str, Any]], baselines: 
         show_edge=False,
         title_justify="left",
     )
-    for col in ("", "tp", "pp", "dp", "zero", "micro-batch", "schedule", "step s", "vs chosen"):
+    for col in ("", "tp", "pp", "dp", "ep", "zero", "micro-batch", "schedule", "step s", "vs chosen"):
         why.add_column(col, justify="left" if col in ("", "schedule") else "right")
 
     def row(label: str, c: dict[str, Any] | None) -> None:
         if c is None:
-            why.add_row(label, *["-"] * 6, "does not fit", "")
+            why.add_row(label, *["-"] * 7, "does not fit", "")
             return
         st = c["strategy"]
         sched = st["schedule"] + (f" v={st['virtual_stages']}" if st["virtual_stages"] > 1 else "")
-        degrees = (str(st[k]) for k in ("tp", "pp", "dp", "zero", "micro_batch"))
+        degrees = (str(st.get(k, 1)) for k in ("tp", "pp", "dp", "ep", "zero", "micro_batch"))
         why.add_row(label, *degrees, sched, f"{c['step_time_s']:.3f}", f"{c['slower_by']:.2f}× slower")
 
     for i, c in enumerate(alternatives, 1):
