@@ -53,7 +53,7 @@ def make_plan(
     )
     res = search(request, pricer, progress)
     if not res.found:
-        raise _infeasible(request, res.leanest, blocks=base.blocks, heads=base.heads)
+        raise _infeasible(request, res.leanest, blocks=base.blocks, heads=base.heads, experts=base.experts)
     best = replace(res.found[0], gap=res.gap)
     plan = to_plan(request.model_name, pricer, best, time.perf_counter() - start)
     validate_plan(
@@ -168,10 +168,15 @@ def _crosses_nodes(st: Strategy, gpus_per_node: int) -> tuple[str, ...]:
     return tuple(name for name, size, stride in axes if size > 1 and size * stride > gpus_per_node)
 
 
-def _no_strategy(request: PlanRequest, *, blocks: int, heads: int | None) -> InfeasibleError:
+def _no_strategy(request: PlanRequest, *, blocks: int, heads: int | None, experts: int) -> InfeasibleError:
     """Why no outer choice exists at all: the constraints the user fixed, or else the batch."""
     c, world, gpn = request.constraints, request.cluster.world_size, request.cluster.gpus_per_node
-    knobs = ("tp", "pp", "dp", "zero", "micro_batch", "schedule", "virtual_stages", "sequence_parallel")
+    if c.ep is not None and c.ep > 1 and not experts:
+        return InfeasibleError(
+            f"--ep {c.ep} splits each MoE layer's routed experts, but this model has none run as grouped "
+            "matmuls (torch._grouped_mm, Hugging Face's grouped experts); drop --ep"
+        )
+    knobs = ("tp", "pp", "dp", "ep", "zero", "micro_batch", "schedule", "virtual_stages", "sequence_parallel")
     fixed = [f"--{k.replace('_', '-')} {getattr(c, k)}" for k in knobs if getattr(c, k) is not None]
     tps = [t for t in _divisors(gpn) if world % t == 0 and (heads is None or heads % t == 0)]
     dps = sorted({world // (t * p) for t in tps for p in _divisors(world // t) if p <= blocks})
@@ -180,6 +185,7 @@ def _no_strategy(request: PlanRequest, *, blocks: int, heads: int | None) -> Inf
         f"data-parallel degree dp = GPUs ÷ (tp·pp), with tp dividing the node"
         + (f" and the {heads} heads" if heads else "")
         + f" and pp at most {blocks} blocks"
+        + (f", ep dividing dp and the {experts} experts at tp 1" if c.ep else "")
     )
     if fixed:
         return InfeasibleError(f"no strategy fits the constraints {', '.join(fixed)}: {rule}; loosen them")
@@ -191,10 +197,15 @@ def _no_strategy(request: PlanRequest, *, blocks: int, heads: int | None) -> Inf
 
 
 def _infeasible(
-    request: PlanRequest, leanest: list[tuple[float, Strategy]], *, blocks: int, heads: int | None
+    request: PlanRequest,
+    leanest: list[tuple[float, Strategy]],
+    *,
+    blocks: int,
+    heads: int | None,
+    experts: int,
 ) -> InfeasibleError:
     if not leanest:
-        return _no_strategy(request, blocks=blocks, heads=heads)
+        return _no_strategy(request, blocks=blocks, heads=heads, experts=experts)
     need, st = leanest[0]
     return InfeasibleError(
         f"no plan fits in {request.capacity_bytes / 2**30:.1f} GiB per GPU: the leanest tried (tp {st.tp}, "

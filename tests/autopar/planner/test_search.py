@@ -170,6 +170,12 @@ def test_planner_optimum_with_experts_equals_brute_force(moe_at, gpn, nodes, cap
     assert eps == {e for e in (1, 2, 4) if (gpn * nodes) % e == 0}
 
 
+def test_ep_on_a_dense_model_is_one_line_naming_it(profile_at) -> None:
+    cluster = Cluster.preset("dgx-a100-80g", nodes=1, gpus_per_node=4)
+    with pytest.raises(InfeasibleError, match="--ep 2 splits each MoE layer's routed experts"):
+        plan_with(profile_at, cluster, batch=8, c=Constraints(ep=2))
+
+
 def test_some_instances_bind_memory(profile_at) -> None:
     """The caps above are tight enough to change the answer (else the test proves little)."""
     cluster = Cluster.preset("dgx-a100-80g", nodes=1, gpus_per_node=4)
