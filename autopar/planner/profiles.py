@@ -47,13 +47,50 @@ def _captured_profile(spec: str, dtype: str, micro_batch: int, seq: int) -> Mode
             entry.config.n_layer
         )
     if profile is None:
-        profile = ModelProfile.from_captured(
-            capture(resolve(spec, dtype=dtype).module, batch=micro_batch, seq=seq)
-        )
+        module = resolve(spec, dtype=dtype).module
+        copied = shallow_copy(module)  # a Hugging Face model: as a 2-block copy too
+        if copied is not None:
+            small, n = copied
+            profile = ModelProfile.from_captured(capture(small, batch=micro_batch, seq=seq)).deepened(n)
+        if profile is None:
+            profile = ModelProfile.from_captured(capture(module, batch=micro_batch, seq=seq))
     key = spec_key(spec, dtype, seq)
     if key is not None:
         cache.store("profile", {**key, "micro_batch": micro_batch}, profile.to_dict())
     return profile
+
+
+def shallow_copy(module: nn.Module) -> tuple[nn.Module, int] | None:
+    """A Hugging Face-style model (a ``config`` with ``num_hidden_layers``) rebuilt on meta with
+    ``CAPTURED_BLOCKS`` blocks, and its own block count; None where its blocks are not all alike
+    (one class, one parameter count: DeepSeek-V3's first dense layers are not) or the config
+    does not rebuild it so. Per-layer config lists (``layer_types``) are cut to the copy's."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    config: Any = getattr(module, "config", None)
+    n = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n, int) or n <= CAPTURED_BLOCKS:
+        return None
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = CAPTURED_BLOCKS
+    for key, value in vars(small).items():
+        if isinstance(value, list) and len(value) == n:
+            setattr(small, key, value[:CAPTURED_BLOCKS])
+    try:
+        with torch.device("meta"):
+            copied = type(module)(small).to(next(module.parameters()).dtype)
+    except (TypeError, ValueError, AttributeError, KeyError):  # a config that rebuilds otherwise
+        return None
+
+    def blocks(m: nn.Module, count: int) -> list[nn.Module]:
+        lists = [x for x in m.modules() if isinstance(x, nn.ModuleList) and len(x) == count]
+        return list(lists[0]) if lists else []
+
+    kinds = {(type(b), sum(p.numel() for p in b.parameters())) for b in blocks(module, n) + blocks(copied, 2)}
+    return (copied, n) if len(kinds) == 1 and blocks(copied, CAPTURED_BLOCKS) else None
 
 
 def _spec_profile(spec: str, dtype: str, micro_batch: int, seq: int) -> ModelProfile:
@@ -137,4 +174,4 @@ class ModelProfiles:
         return self.at(1)
 
 
-__all__ = ["CAPTURED_BLOCKS", "ModelProfiles", "spec_key"]
+__all__ = ["CAPTURED_BLOCKS", "ModelProfiles", "shallow_copy", "spec_key"]

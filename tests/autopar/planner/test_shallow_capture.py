@@ -60,3 +60,40 @@ def test_plans_equal_those_of_the_whole_capture(constraints: Constraints) -> Non
     for d in (a, b):
         d.pop("solve_time_s")
     assert a == b
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2-moe", "gemma2"])
+def test_a_hugging_face_model_is_captured_as_two_blocks_and_deepened(name: str) -> None:
+    """A model with a ``config.num_hidden_layers`` is rebuilt with two blocks (``shallow_copy``)
+    and deepened: the same profile as capturing all its blocks."""
+    import torch
+
+    from autopar.planner.profiles import shallow_copy
+    from autopar.zoo import hf
+
+    with torch.device("meta"):
+        model = hf.family(name, layers=4)
+    copied = shallow_copy(model)
+    assert copied is not None and copied[1] == 4
+    deep = ModelProfile.from_captured(capture(copied[0], batch=1, seq=16)).deepened(copied[1])
+    assert deep == ModelProfile.from_captured(capture(model, batch=1, seq=16))
+
+
+def test_a_model_whose_blocks_differ_is_captured_whole() -> None:
+    """DeepSeek-V3's first dense layers: blocks of one class with different parameters."""
+    import torch
+    import transformers
+
+    from autopar.planner.profiles import shallow_copy
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(cfg)
+        alike = transformers.DeepseekV3ForCausalLM(replace(cfg, first_k_dense_replace=0))
+    assert shallow_copy(model) is None
+    assert shallow_copy(alike) is not None  # the same config with every block routed: rebuilt
