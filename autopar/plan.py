@@ -256,7 +256,8 @@ def _expert_note(st: Strategy, predicted: dict[str, Any]) -> str:
     cost = f", all-to-alls {a2a:.3g} s per step" if a2a is not None else ""
     return (
         f"; expert parallel: each MoE layer's experts split over ep {st.ep} of the {st.dp} data-parallel "
-        f"ranks (1/{st.ep} each), their states sharded over the {st.dp // st.ep} holding the same{cost}"
+        f"ranks (1/{st.ep} each; dropless: every routed row is computed), their states sharded over "
+        f"the {st.dp // st.ep} holding the same{cost}"
     )
 
 
