@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -110,10 +111,18 @@ def _plan(tp: int, pp: int, dp: int, zero: int = 0) -> str:
 
 
 def layout_worker(
-    rank: int, world: int, init: str, plan_json: str, data: torch.Tensor, path: str, load: bool
+    rank: int,
+    world: int,
+    init: str,
+    plan_json: str,
+    data: torch.Tensor,
+    path: str,
+    load: bool,
+    make: Callable[[], torch.nn.Module] | None = None,
 ) -> None:
-    """Train under the plan: after one step save a checkpoint (model and AdamW state), or load
-    one; then one more step; rank 0 writes the weights after it."""
+    """Train ``make()`` (default the float64 GPT) under the plan: after one step save a
+    checkpoint (model and AdamW state), or load one; then one more step; rank 0 writes the
+    weights after it."""
     import datetime
 
     import torch.distributed as dist
@@ -128,7 +137,7 @@ def layout_worker(
     torch.set_num_threads(1)
     try:
         plan = Plan.from_json(plan_json)
-        pm = autopar.parallelize(_gpt(), plan)
+        pm = autopar.parallelize((make or _gpt)(), plan)
         rows = slice(pm.dp_rank * 8 // plan.strategy.dp, (pm.dp_rank + 1) * 8 // plan.strategy.dp)
         if load:
             state = pm.state_dict()
