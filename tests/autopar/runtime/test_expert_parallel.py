@@ -1,6 +1,6 @@
 """Expert parallelism on 2 gloo processes against single-process training (float32: the MoE
-families' grouped matmul has no float64 kernel), with checkpoints round-tripped, and the
-all-to-alls of each step counted against the cost model's."""
+families' grouped matmul has no float64 kernel), with checkpoints round-tripped and resumed
+without EP, and the all-to-alls of each step counted against the cost model's."""
 
 from __future__ import annotations
 
