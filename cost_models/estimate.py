@@ -25,7 +25,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models import comm
 from autopar.cost_models.dp_overlap import dp_exposed_s
 from autopar.cost_models.profile import ModelProfile
-from autopar.cost_models.rank_load import RankLoad, rank_load, rank_memory_terms
+from autopar.cost_models.rank_load import RankLoad, optimizer_s, rank_load, rank_memory_terms
 from autopar.cost_models.terms import Terms, TPLayout, build_terms
 from autopar.cost_models.timeline import StageTime, stage_times
 from autopar.strategy import Strategy, check_strategy
@@ -240,10 +240,7 @@ def _breakdown(terms: Terms, st: Strategy, loads: list[RankLoad]) -> dict[str, f
         "p2p": m * terms.p2p_s,
         "bubble": terms.bubble_rounds * t_mb,
         "dp_comm": max(dp_exposed_s(terms, load) for load in loads),
-        "optimizer": max(
-            terms.weighted(load.params, load.expert_params, "optimizer") * terms.opt_s_per_param
-            for load in loads
-        ),
+        "optimizer": max(optimizer_s(terms, load) for load in loads),
     }
 
 

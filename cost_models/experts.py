@@ -34,8 +34,7 @@ def ep_forward_s(lc: LayerCost, st: Strategy, link: comm.GroupLink) -> float:
     each A2A(S) = (ep − 1)·α + (ep − 1)/ep·S/β. The backward repeats the two row exchanges."""
     if st.ep == 1 or not lc.experts:
         return 0.0
-    counts = comm.all_to_all_time_s(COUNT_BYTES * lc.experts, st.ep, link)
-    return counts + 2 * comm.all_to_all_time_s(lc.a2a_bytes / 2, st.ep, link)
+    return comm.all_to_all_time_s(COUNT_BYTES * lc.experts, st.ep, link) + ep_backward_s(lc, st, link)
 
 
 def ep_backward_s(lc: LayerCost, st: Strategy, link: comm.GroupLink) -> float:

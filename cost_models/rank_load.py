@@ -66,6 +66,12 @@ def rank_load(terms: Terms, rank: int, counts: tuple[int, ...]) -> RankLoad:
     )
 
 
+def optimizer_s(terms: Terms, load: RankLoad) -> float:
+    """The optimizer step of a rank holding ``load`` (local expert parameters weighed as
+    ``Terms.weighted`` says: a ZeRO rank updates 1/(dp/ep) of its experts)."""
+    return terms.weighted(load.params, load.expert_params, "optimizer") * terms.opt_s_per_param
+
+
 def rank_memory_terms(terms: Terms, rank: int, load: RankLoad) -> dict[str, float]:
     """Peak memory of a rank by cause (bytes)."""
     acts = terms.inflight[rank] * load.act_bytes

@@ -33,7 +33,7 @@ from typing import Any
 
 from autopar.cost_models.dp_overlap import dp_exposed_s
 from autopar.cost_models.pipeline import torch_orders
-from autopar.cost_models.rank_load import RankLoad, rank_units
+from autopar.cost_models.rank_load import RankLoad, optimizer_s, rank_units
 from autopar.cost_models.terms import Terms
 from autopar.strategy import ZERO_BUBBLE, Strategy, remat
 
@@ -98,8 +98,7 @@ def stage_times(terms: Terms, counts: list[tuple[int, ...]], loads: list[RankLoa
                 tp_backward_s=load.tp_s - tp_forward,
                 weight_grad_s=load.wgrad_s,
                 dp_comm_s=dp_exposed_s(terms, load),
-                optimizer_s=terms.weighted(load.params, load.expert_params, "optimizer")
-                * terms.opt_s_per_param,
+                optimizer_s=optimizer_s(terms, load),
             )
         )
     return tuple(out)

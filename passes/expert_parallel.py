@@ -147,7 +147,7 @@ def _check_rows(group: ExpertGroup, region: set[fx.Node]) -> None:
 
 def _distribute(gm: fx.GraphModule, weight: fx.Node, mesh: DeviceMesh) -> fx.Node:
     """Make the stacked expert weight ``weight`` reads a DTensor Shard(0) on ``mesh``; return a
-    local read of it, placed before its first user."""
+    local read of it (``to_local``, right after the get_attr), which its users now read."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     owner, _, attr = str(weight.target).rpartition(".")
@@ -167,10 +167,11 @@ def _rewrite(gm: fx.GraphModule, group: ExpertGroup, mesh: DeviceMesh, name: str
     ep = mesh.size()
     region = row_region(gm, group)
     _check_rows(group, region)
-    graph, first, last = gm.graph, group.first, group.last
+    graph, first, last, rows = gm.graph, group.first, group.last, group.first.args[0]
+    assert isinstance(rows, fx.Node)
     layer = first.meta.get("autopar.layer")
     with graph.inserting_before(first):
-        sent = graph.call_function(dispatch, (first.args[0], group.offs, name, ep))
+        sent = graph.call_function(dispatch, (rows, group.offs, name, ep))
         parts = [graph.call_function(operator.getitem, (sent, k)) for k in range(3)]
     with graph.inserting_after(last):
         back = graph.call_function(combine, (last, parts[2], name))
@@ -178,7 +179,8 @@ def _rewrite(gm: fx.GraphModule, group: ExpertGroup, mesh: DeviceMesh, name: str
     first.update_arg(0, parts[0])
     for mm in group.matmuls:
         mm.update_arg(2, parts[1])
-    parts[0].meta, parts[1].meta, back.meta = dict(first.args[0].meta), dict(group.offs.meta), dict(last.meta)  # type: ignore[union-attr]
+    # the values the new nodes stand for (shapes as captured: the rows a rank takes vary per step)
+    parts[0].meta, parts[1].meta, back.meta = dict(rows.meta), dict(group.offs.meta), dict(last.meta)
     for n in (sent, *parts, back):
         n.meta["autopar.layer"] = layer
     chains = {n for w in group.weights for n in _weight_chain(_distribute(gm, w, mesh))}

@@ -95,8 +95,7 @@ def expert_groups(gm: fx.GraphModule) -> list[ExpertGroup]:
         if not experts or any(s is None or _shape(s)[:1] != (experts,) for s in sources):
             continue
         weights = tuple(s for s in sources if s is not None)
-        owners = {str(w.target).rpartition(".")[0] for w in weights}
-        path = min(owners) if len(owners) == 1 else _common_prefix(owners)
+        path = _common_prefix({str(w.target).rpartition(".")[0] for w in weights})
         groups.append(
             ExpertGroup(
                 matmuls=tuple(mms),

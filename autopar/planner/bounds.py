@@ -24,7 +24,7 @@ import math
 from itertools import combinations
 
 from autopar.cost_models.dp_overlap import dp_exposed_s
-from autopar.cost_models.rank_load import RankLoad
+from autopar.cost_models.rank_load import RankLoad, optimizer_s
 from autopar.cost_models.terms import Terms
 from autopar.planner.layout_ilp import block_bytes, fixed_rank_blocks, rank_budgets_bytes, rank_max_blocks
 
@@ -59,11 +59,7 @@ def _step_s(terms: Terms, blocks: int, allowed: tuple[str, ...], stage_s: float)
         expert_params=experts,
     )
     rounds = st.micro_batches + terms.bubble_rounds
-    return (
-        rounds * (stage_s + terms.p2p_s)
-        + terms.weighted(params / st.pp, experts, "optimizer") * terms.opt_s_per_param
-        + dp_exposed_s(terms, average)
-    )
+    return rounds * (stage_s + terms.p2p_s) + optimizer_s(terms, average) + dp_exposed_s(terms, average)
 
 
 def lower_bound_s(

@@ -89,8 +89,9 @@ def shallow_copy(module: nn.Module) -> tuple[nn.Module, int] | None:
         lists = [x for x in m.modules() if isinstance(x, nn.ModuleList) and len(x) == count]
         return list(lists[0]) if lists else []
 
-    kinds = {(type(b), sum(p.numel() for p in b.parameters())) for b in blocks(module, n) + blocks(copied, 2)}
-    return (copied, n) if len(kinds) == 1 and blocks(copied, CAPTURED_BLOCKS) else None
+    few = blocks(copied, CAPTURED_BLOCKS)
+    kinds = {(type(b), sum(p.numel() for p in b.parameters())) for b in blocks(module, n) + few}
+    return (copied, n) if few and len(kinds) == 1 else None
 
 
 def _spec_profile(spec: str, dtype: str, micro_batch: int, seq: int) -> ModelProfile:

@@ -165,7 +165,9 @@ def outer_strategies(
     for tp, pp, dp in _degrees(request, blocks, heads):
         per_replica = request.global_batch // dp
         # both where tp > 1: the per-operator layouts with and without SP issue different collectives
-        sps = [c.sequence_parallel] if c.sequence_parallel is not None else [False, True][: 1 + (tp > 1)]
+        sps = (
+            [c.sequence_parallel] if c.sequence_parallel is not None else [False, True] if tp > 1 else [False]
+        )
         compiles = [c.compile] if c.compile is not None else ["off", "block"]
         zeros = [c.zero] if c.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
         eps = _expert_degrees(c, tp=tp, dp=dp, experts=experts)

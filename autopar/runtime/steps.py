@@ -154,8 +154,9 @@ def apply_outline_blocks(stages: Stages) -> None:
     for module in stages.modules.values():
         for name, block in _blocks(module, stages.names):
             outlined, children = outline_experts(block, name)
-            install(module, name, outlined)
-            stages.experts.extend(f"{name}.{c}" for c in children)
+            if children:
+                install(module, name, outlined)
+                stages.experts.extend(f"{name}.{c}" for c in children)
 
 
 def _blocks(module: nn.Module, names: list[str]) -> list[tuple[str, fx.GraphModule]]:
