@@ -123,7 +123,8 @@ class _Peak(TorchDispatchMode):
                 continue
             self.alive.add(key)
             self.live += storage.nbytes()
-            weakref.finalize(storage, self._freed, key, storage.nbytes())
+            freed = weakref.finalize(storage, self._freed, key, storage.nbytes())
+            freed.atexit = False  # a count, nothing to release at exit
         self.peak = max(self.peak, self.live)
         return out
 

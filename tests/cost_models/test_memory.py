@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -122,14 +123,23 @@ def _measure_steps(rank: int, plans: list[Plan], init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
     data = torch.randint(0, LLAMA["vocab_size"], (4, 256), generator=torch.Generator().manual_seed(rank))
     peaks = []
-    for plan in plans:
-        torch.manual_seed(0)
-        pm = parallelize(Llama(LlamaConfig(**LLAMA)), plan, timeout_s=120)
-        pm.train_step(data)  # the optimizer's states exist from here on
-        peaks.append(peak_bytes(lambda pm=pm: pm.train_step(data)))
-    if rank == 0:
-        Path(out).write_text(json.dumps(peaks))
-    dist.destroy_process_group()
+    try:
+        for plan in plans:
+            torch.manual_seed(0)
+            pm = parallelize(Llama(LlamaConfig(**LLAMA)), plan, timeout_s=120)
+            pm.train_step(data)  # the optimizer's states exist from here on
+            peaks.append(peak_bytes(lambda pm=pm: pm.train_step(data)))
+            # FSDP2's hooks make reference cycles that hold the process groups: collect them now,
+            # while the interpreter is alive. Left to the exit's collection, a gloo worker thread
+            # that releases a tensor then needs the GIL of a finalizing interpreter, and aborts
+            # the process ("terminate called without an active exception"; seen once in ~10 runs).
+            del pm
+            gc.collect()
+        if rank == 0:
+            Path(out).write_text(json.dumps(peaks))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_zero_step_memory_measured(tmp_path: Path) -> None:
