@@ -125,7 +125,7 @@ def _check_rows(group: ExpertGroup, region: set[fx.Node]) -> None:
     checked = _with_checks(region)
     for n in region:
         outside = [u for u in n.users if u not in checked and n is not group.last]
-        own = {group.offs, *([group.first.args[0]] if n is group.first else [])}  # what dispatch moves
+        own = {group.offs, *([group.first.args[0]] if n in group.entries else [])}  # what dispatch moves
         foreign = [
             i
             for i in n.all_input_nodes
@@ -176,7 +176,8 @@ def _rewrite(gm: fx.GraphModule, group: ExpertGroup, mesh: DeviceMesh, name: str
     with graph.inserting_after(last):
         back = graph.call_function(combine, (last, parts[2], name))
     last.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
-    first.update_arg(0, parts[0])
+    for mm in group.entries:
+        mm.update_arg(0, parts[0])
     for mm in group.matmuls:
         mm.update_arg(2, parts[1])
     # the values the new nodes stand for (shapes as captured: the rows a rank takes vary per step)

@@ -3,11 +3,12 @@
 Hugging Face's MoE models (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3) and torchtitan run a
 layer's routed experts as grouped matmuls: the layer's token rows, sorted by the expert each
 was routed to, times the experts' stacked weights (E, K, N), cut by ``offs`` (the cumulative
-rows per expert): ``aten._grouped_mm`` or transformers' ``grouped_mm_fallback`` (its CPU and
-non-bf16 path), which the capture records as one node each. The grouped matmuls of one layer
-share one ``offs`` node: that is how a layer's experts are found (``expert_groups``), for the
-cost model (what each layer's experts hold and exchange) and for expert parallelism
-(``passes.expert_parallel``, which moves rows to the rank holding their expert).
+rows per expert): ``aten._grouped_mm``, transformers' ``grouped_mm_fallback`` (its CPU and
+non-bf16 path) or the zoo's ``autopar::grouped_mm``, which the capture records as one node
+each. The grouped matmuls of one layer share one ``offs`` node: that is how a layer's experts
+are found (``expert_groups``), for the cost model (what each layer's experts hold and
+exchange) and for expert parallelism (``passes.expert_parallel``, which moves rows to the rank
+holding their expert).
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from torch import fx
 
 from autopar.graph.dag import digraph, downstream, upstream
 
-GROUPED_MM = ("aten::_grouped_mm", "aten::grouped_mm", "transformers::grouped_mm_fallback")
+GROUPED_MM = (
+    "aten::_grouped_mm",
+    "aten::grouped_mm",
+    "transformers::grouped_mm_fallback",
+    "autopar::grouped_mm",  # the zoo's (``zoo.grouped``)
+)
 """Operators that multiply expert-sorted rows by stacked expert weights: (rows, weights, offs)."""
 
 WEIGHT_VIEWS = ("aten::transpose", "aten::permute", "aten::t", "aten::to", "aten::_to_copy", "aten::alias")
@@ -63,6 +69,12 @@ class ExpertGroup:
     @property
     def last(self) -> fx.Node:
         return self.matmuls[-1]
+
+    @property
+    def entries(self) -> tuple[fx.Node, ...]:
+        """The matmuls that read the layer's sorted rows (one fused gate-up matmul in Hugging
+        Face's experts; the gate's and the up projection's in torchtitan's and the zoo's)."""
+        return tuple(mm for mm in self.matmuls if mm.args[0] is self.first.args[0])
 
 
 def weight_source(node: fx.Node) -> fx.Node | None:
@@ -120,10 +132,10 @@ def _common_prefix(paths: set[str]) -> str:
 
 
 def row_region(gm: fx.GraphModule, group: ExpertGroup) -> set[fx.Node]:
-    """The nodes computed from the first matmul's rows up to the last matmul's output (both
-    included): what runs on the rows of the rank holding their expert under expert parallelism."""
+    """The nodes computed from the rows' matmuls up to the last matmul's output (all included):
+    what runs on the rows of the rank holding their expert under expert parallelism."""
     g = digraph(gm.graph)
-    return downstream(g, [group.first]) & upstream(g, [group.last])
+    return downstream(g, list(group.entries)) & upstream(g, [group.last])
 
 
 __all__ = [

@@ -49,6 +49,18 @@ def draws_masks(make_model: Callable[[], nn.Module], loss_fn: Any, tokens: torch
     return not torch.equal(losses[0], losses[1])
 
 
+def batch_dependent(make_model: Callable[[], nn.Module], loss_fn: Any, tokens: torch.Tensor) -> bool:
+    """Whether a row's loss depends on the other rows of its batch: experts with a capacity drop
+    tokens by their place in the batch (GShard, Switch). The batch's loss against the mean of its
+    rows' losses alone, beyond 100 roundings of the loss's dtype (1.2e-5 relative in float32;
+    float32 rounding of a batch-independent model is near 1e-7). ``tokens``: two rows or more."""
+    model = make_model()
+    with torch.no_grad():
+        whole = loss_of(model, tokens, loss_fn)
+        rows = torch.stack([loss_of(model, row[None], loss_fn) for row in tokens]).mean()
+    return bool((whole - rows).abs() > 100 * torch.finfo(whole.dtype).eps * whole.abs())
+
+
 class _FloatDtypes(TorchDispatchMode):
     """The floating dtypes of the operator outputs run under it while ``active``."""
 
@@ -108,6 +120,7 @@ def computes_below_float64(make_model: Callable[[], nn.Module], loss_fn: Any, to
 __all__ = [
     "HALF",
     "arithmetic_of",
+    "batch_dependent",
     "computes_below_float64",
     "draws_masks",
     "float64_arithmetic",

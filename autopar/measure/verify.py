@@ -24,6 +24,7 @@ from autopar.errors import AutoparError
 from autopar.measure.arithmetic import (
     HALF,
     arithmetic_of,
+    batch_dependent,
     draws_masks,
     float64_arithmetic,
     in_eval_mode,
@@ -63,11 +64,14 @@ def run_reference(
     *,
     autocast: torch.dtype | None = None,
     max_grad_norm: float = math.inf,
+    micro_rows: int | None = None,
 ) -> Trace:
     """Train on the full batch ``data`` (steps × global batch × seq) in this process, recording
     each step's loss, gradients, gradient norm and parameters (``autocast``: the forward under
     torch.autocast in that dtype, for half-precision plans; ``max_grad_norm``: clipped to it by
-    ``torch.nn.utils.clip_grad_norm_``)."""
+    ``torch.nn.utils.clip_grad_norm_``; ``micro_rows``: the batch's forward and backward in
+    micro-batches of that many rows, gradients accumulated — what a model whose rows depend on
+    their batch computes under a plan of that micro-batch, ``batch_dependent``)."""
     loss_fn = resolve_loss(loss_spec)
     model = make_model()
     opt = OPTIMIZERS[optimizer](model.parameters(), lr=LR)
@@ -75,9 +79,13 @@ def run_reference(
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     losses, grads, params, norms = [], [], [], []
     for step in range(steps):
-        with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
-            loss = loss_of(model, data[step], loss_fn)
-        loss.backward()
+        chunks = data[step].split(micro_rows or data.shape[1])
+        loss = torch.zeros(())
+        for chunk in chunks:  # equal chunks: the mean of their mean losses is the batch's
+            with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+                part = loss_of(model, chunk, loss_fn) / len(chunks)
+            part.backward()
+            loss = loss + part.detach()
         grads.append(
             {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for n, p in named}
         )
@@ -435,6 +443,8 @@ def verify_cases(
     random: dict[Callable[[], nn.Module], bool] = {}  # per model: whether it draws masks
     double: dict[Callable[[], nn.Module], str] = {}  # per model: ``float64_arithmetic``
     offs: dict[tuple[Callable[[], nn.Module], str], Callable[[], nn.Module]] = {}  # as compared
+    batchwise: dict[Callable[[], nn.Module], bool] = {}  # per model: ``batch_dependent``
+    keys: list[tuple[Callable[[], nn.Module], str, int | None]] = []  # per case: its reference
     for make_model, plan, hook in cases:
         if make_model not in random:
             random[make_model] = draws_masks(make_model, resolve_loss(loss_spec), data[0, :1])
@@ -444,6 +454,10 @@ def verify_cases(
         off = offs.setdefault(
             (make_model, arithmetic), functools.partial(in_eval_mode, make) if random[make_model] else make
         )
+        if make_model not in batchwise:
+            rows = data[0, :2]  # two rows: does either's loss change with the other beside it?
+            batchwise[make_model] = len(rows) > 1 and batch_dependent(off, resolve_loss(loss_spec), rows)
+        keys.append((make_model, arithmetic, plan.strategy.micro_batch if batchwise[make_model] else None))
         i_off, i_on, i_twin = len(jobs), None, None
         jobs.append(Job(off, plan.to_json(), hook, checkpoint))
         if random[make_model]:
@@ -455,14 +469,13 @@ def verify_cases(
         where.append((i_off, i_on, i_twin))
     world = cases[0][1].strategy.world_size
     results = spawn_jobs(jobs, world, data, tmp, loss_spec=loss_spec, optimizer=optimizer)
-    references = {
-        key: run_reference(off, data, data.shape[0], loss_spec, optimizer, autocast=HALF.get(key[1]))
-        for key, off in offs.items()
-    }
+    train = functools.partial(run_reference, data=data, steps=len(data), loss_spec=loss_spec)
+    train = functools.partial(train, optimizer=optimizer)
+    references = {k: train(offs[k[:2]], autocast=HALF.get(k[1]), micro_rows=k[2]) for k in set(keys)}
     verdicts = []
-    for (make_model, plan, _), (i_off, i_on, i_twin) in zip(cases, where, strict=True):
+    for (make_model, plan, _), (i_off, i_on, i_twin), key in zip(cases, where, keys, strict=True):
         arithmetic = arithmetic_of(plan.strategy.dtype, double[make_model])
-        ref = references[make_model, arithmetic]
+        ref = references[key]
         judged = "float32" if arithmetic == "float64" and double[make_model] == "lowered" else arithmetic
         judged = "bf16" if plan.strategy.lossy_comm else judged  # bf16 on the wire: bf16's bounds
         verdict = judge(ref, results[i_off], judged)

@@ -72,8 +72,9 @@ class MixtralConfig(LlamaConfig):
     """Experts per MoE layer (E)."""
     top_k: int = 2
     """Experts each token is routed to (k)."""
-    capacity_factor: float = 1.0
-    """Token slots per expert relative to an even split."""
+    capacity_factor: float | None = None
+    """Token rows per expert relative to an even split (k·S/E); tokens past them are dropped.
+    None: dropless, every token reaches its k experts (Mixtral's own)."""
 
 
 __all__ = ["GPTConfig", "LlamaConfig", "MixtralConfig"]

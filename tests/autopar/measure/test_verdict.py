@@ -394,3 +394,27 @@ def test_a_compiled_plans_round_trip_allows_a_last_bit_step_but_not_a_lost_state
     assert run_failure({**base, "checkpoint_compiled": True, "checkpoint_state_exact": False}) is not None
     far = {**base, "checkpoint_compiled": True, "checkpoint_step_gap": 10 * COMPILED_STEP_GAP}
     assert run_failure(far) is not None
+
+
+def test_a_batch_dependent_model_is_compared_with_its_own_micro_batches() -> None:
+    """Experts with a capacity drop tokens by their place in the batch, so the reference runs the
+    plan's micro-batches; a model whose rows are independent gets the same reference either way."""
+    from autopar.measure.arithmetic import batch_dependent
+    from autopar.zoo.configs import MixtralConfig
+    from autopar.zoo.mixtral import Mixtral
+
+    def mixtral(capacity_factor: float | None) -> torch.nn.Module:
+        torch.manual_seed(0)
+        cfg = dict(n_layer=1, dim=32, n_head=4, n_kv_head=2, ffn_dim=48, vocab_size=64, max_seq_len=16)
+        return Mixtral(MixtralConfig(**cfg, n_experts=4, top_k=2, capacity_factor=capacity_factor)).double()
+
+    data = torch.randint(0, 64, (1, 4, 16), generator=torch.Generator().manual_seed(0))
+    dropless, capped = functools.partial(mixtral, None), functools.partial(mixtral, 0.5)
+    assert not batch_dependent(dropless, None, data[0, :2])
+    assert batch_dependent(capped, None, data[0, :2])
+    whole, parts = run_reference(dropless, data, 1), run_reference(dropless, data, 1, micro_rows=2)
+    assert abs(whole.losses[0] - parts.losses[0]) < 1e-12
+    for k, g in whole.grads[0].items():
+        assert torch.allclose(g, parts.grads[0][k], rtol=1e-10, atol=1e-14), k
+    whole, parts = run_reference(capped, data, 1), run_reference(capped, data, 1, micro_rows=2)
+    assert abs(whole.losses[0] - parts.losses[0]) > 1e-6  # other tokens dropped

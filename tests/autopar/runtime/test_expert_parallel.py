@@ -1,6 +1,7 @@
-"""Expert parallelism on 2 gloo processes against single-process training (float32: the MoE
-families' grouped matmul has no float64 kernel), with checkpoints round-tripped and resumed
-without EP, and the all-to-alls of each step counted against the cost model's."""
+"""Expert parallelism on 2 gloo processes against single-process training (float32 for Hugging
+Face's MoE families, whose grouped matmul has no float64 kernel; the zoo's runs in float64),
+with checkpoints round-tripped and resumed without EP, and the all-to-alls of each step counted
+against the cost model's."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from autopar.measure.verify import verify_cases
 from autopar.planner import ModelProfiles, make_plan
 from autopar.request import Constraints, PlanRequest
 from autopar.zoo import hf
+from autopar.zoo.configs import MixtralConfig
+from autopar.zoo.mixtral import Mixtral
 
 STEPS, BATCH, SEQ = 2, 4, 16
 MICRO_BATCHES = 2  # per rank and step: 4 sequences over dp 2, micro-batch 1
@@ -35,22 +38,33 @@ class CountAllToAll(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def expect_all_to_alls():
+def expect_all_to_alls(recomputed: bool = False):
     """Per MoE layer and micro-batch the cost model prices one count exchange and two row
-    exchanges in forward, two in backward (``cost_models.experts``): in the steps the hook sees,
-    one count exchange per layer and micro-batch and four row exchanges for each."""
+    exchanges in forward, two in backward, and the forward's again when the block is recomputed
+    (``cost_models.experts``): what the steps the hook sees must run."""
     CountAllToAll.seen = Counter()
     with CountAllToAll():
         yield
-    counts, rows = CountAllToAll.seen["counts"], CountAllToAll.seen["rows"]
-    assert counts == STEPS * MICRO_BATCHES * MOE_LAYERS, CountAllToAll.seen
-    assert rows == 4 * counts, CountAllToAll.seen
+    forwards = STEPS * MICRO_BATCHES * MOE_LAYERS * (2 if recomputed else 1)
+    assert CountAllToAll.seen["counts"] == forwards, CountAllToAll.seen
+    assert CountAllToAll.seen["rows"] == 2 * forwards + 2 * STEPS * MICRO_BATCHES * MOE_LAYERS, (
+        CountAllToAll.seen
+    )
 
 
-def _plan(family: str, *, batch: int = BATCH, micro_batch: int = 1, ep: int = 2, **knobs: Any):
+def zoo_mixtral(capacity_factor: float | None = None) -> Mixtral:
+    """The zoo's Mixtral, tiny: 2 MoE layers of 4 grouped experts, top-2 (the same weights on
+    every call, as a model factory must give)."""
+    torch.manual_seed(0)
+    cfg = dict(n_layer=2, dim=32, n_head=4, n_kv_head=2, ffn_dim=48, vocab_size=64, max_seq_len=SEQ)
+    return Mixtral(MixtralConfig(**cfg, n_experts=4, top_k=2, capacity_factor=capacity_factor))
+
+
+def _plan(family: str, *, batch: int = BATCH, micro_batch: int = 1, ep: int = 2, make=None, **knobs: Any):
+    make = make or functools.partial(hf.family, family)
     with torch.device("meta"):
-        meta = hf.family(family)
-        profiles = ModelProfiles.of(hf.family(family), dtype="fp32", seq=SEQ)
+        meta = make()
+        profiles = ModelProfiles.of(make(), dtype="fp32", seq=SEQ)
     request = PlanRequest(
         model=meta,
         name=family,
@@ -64,10 +78,17 @@ def _plan(family: str, *, batch: int = BATCH, micro_batch: int = 1, ep: int = 2,
 
 
 def test_ep2_trains_like_one_process_and_round_trips_its_checkpoints(tmp_path) -> None:
+    """Hugging Face's Mixtral and Qwen2-MoE, the zoo's Mixtral dropless and with a capacity that
+    drops tokens (compared with one process running the same micro-batches: a token's fate
+    depends on the micro-batch it is in, ``measure.arithmetic.batch_dependent``)."""
     mixtral, qwen = functools.partial(hf.family, "mixtral"), functools.partial(hf.family, "qwen2-moe")
+    zoo, capped = zoo_mixtral, functools.partial(zoo_mixtral, 0.5)
+    recomputing = functools.partial(expect_all_to_alls, recomputed=True)
     cases = [
         (mixtral, _plan("mixtral", zero=1, recompute=("none",)), expect_all_to_alls),
         (qwen, _plan("qwen2-moe", zero=3, recompute=("full",)), None),
+        (zoo, _plan("zoo", make=zoo, zero=1, recompute=("none",)), expect_all_to_alls),
+        (capped, _plan("capped", make=capped, zero=2, recompute=("full",)), recomputing),
     ]
     for _, plan, _ in cases:
         assert plan.strategy.ep == 2 and plan.strategy.micro_batches == MICRO_BATCHES
