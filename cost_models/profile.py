@@ -145,24 +145,38 @@ class ModelProfile:
         """Number of repeated layers (all but embed and head)."""
         return len(self.layers) - 2
 
-    def deepened(self, blocks: int) -> ModelProfile | None:
+    def deepened(self, blocks: int | tuple[int, ...]) -> ModelProfile | None:
         """This profile, captured on a copy of the model with fewer blocks, as the model with
-        ``blocks`` identical blocks: the costs are per layer type, so only the layer list, its
-        names (continued by index: ``h.0``, ``h.1`` → ``h.2``, …) and the parameter count grow
-        (by the block's parameters per block added). None when the captured blocks are not
-        all of one type or not named ``<prefix><index>``: such a model must be captured whole."""
-        kinds, names = set(self.layers[1:-1]), self.layer_names[1:-1]
+        ``blocks`` blocks: one count per run of alike blocks, in order (DeepSeek-V3: 3 dense,
+        then 58 MoE); an int for one run. The costs are per layer type, so only the layer list,
+        its names (continued by index: ``h.0``, ``h.1`` → ``h.2``, …) and the parameter count
+        grow (by each added block's parameters). None when the captured blocks do not form that
+        many runs of distinct types, or are not named ``<prefix><index>``: such a model must be
+        captured whole."""
+        counts = (blocks,) if isinstance(blocks, int) else blocks
+        body, names = self.layers[1:-1], self.layer_names[1:-1]
+        runs = [k for i, k in enumerate(body) if i == 0 or body[i - 1] != k]  # a type per run
         prefix = names[0][:-1] if names and names[0].endswith("0") else None
-        if len(kinds) != 1 or prefix is None or any(n != f"{prefix}{i}" for i, n in enumerate(names)):
+        if len(runs) != len(counts) or len(set(runs)) != len(runs) or prefix is None:
             return None
-        (kind,) = kinds
-        added = blocks - len(names)
-        assert added >= 0, (blocks, names)
+        if any(n != f"{prefix}{i}" for i, n in enumerate(names)):
+            return None
+        added = [c - body.count(k) for k, c in zip(runs, counts, strict=True)]
+        assert min(added) >= 0, (counts, names)
         return dataclasses.replace(
             self,
-            layers=(self.layers[0], *[kind] * blocks, self.layers[-1]),
-            layer_names=(self.layer_names[0], *(f"{prefix}{i}" for i in range(blocks)), self.layer_names[-1]),
-            total_params=self.total_params + added * self.layer_types[kind].params,
+            layers=(
+                self.layers[0],
+                *[k for k, c in zip(runs, counts, strict=True) for _ in range(c)],
+                self.layers[-1],
+            ),
+            layer_names=(
+                self.layer_names[0],
+                *(f"{prefix}{i}" for i in range(sum(counts))),
+                self.layer_names[-1],
+            ),
+            total_params=self.total_params
+            + sum(a * self.layer_types[k].params for k, a in zip(runs, added, strict=True)),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -243,6 +243,8 @@ def outline(gm: fx.GraphModule, group_of: Callable[[fx.Node], str | None]) -> fx
         env[n] = graph.node_copy(n, lambda x: env[x])
         if n.op == "get_attr":
             copy_attr(root, gm, str(n.target))
+        elif n.op == "call_module":  # outlined before (a MoE layer's experts under EP): kept
+            install(root, str(n.target), gm.get_submodule(str(n.target)))
     return graph_module(root, graph, type(gm).__name__)
 
 

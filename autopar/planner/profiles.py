@@ -37,15 +37,15 @@ def _captured_profile(spec: str, dtype: str, micro_batch: int, seq: int) -> Mode
     (``tests/autopar/planner/test_shallow_capture.py``)."""
     from autopar.graph import capture
     from autopar.zoo import ZOO, build
+    from autopar.zoo.configs import block_runs
     from autopar.zoo.spec import DTYPES, resolve
 
     entry = ZOO.get(spec)
     profile = None
-    if entry is not None and entry.config.n_layer > CAPTURED_BLOCKS and dtype in DTYPES:
-        shallow = build(spec, dtype=DTYPES[dtype], blocks=CAPTURED_BLOCKS)
-        profile = ModelProfile.from_captured(capture(shallow, batch=micro_batch, seq=seq)).deepened(
-            entry.config.n_layer
-        )
+    runs = block_runs(entry.config) if entry is not None else ()
+    if any(n > CAPTURED_BLOCKS for n in runs) and dtype in DTYPES:  # each run of alike blocks as 2
+        shallow = build(spec, dtype=DTYPES[dtype], runs=tuple(min(n, CAPTURED_BLOCKS) for n in runs))
+        profile = ModelProfile.from_captured(capture(shallow, batch=micro_batch, seq=seq)).deepened(runs)
     if profile is None:
         module = resolve(spec, dtype=dtype).module
         copied = shallow_copy(module)  # a Hugging Face model: as a 2-block copy too

@@ -9,16 +9,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from autopar.lazy import lazy_attributes
-from autopar.zoo.configs import GPTConfig, LlamaConfig, MixtralConfig
+from autopar.zoo.configs import DeepSeekConfig, GPTConfig, LlamaConfig, MixtralConfig
 from autopar.zoo.registry import ZOO, ZooEntry
 
 if TYPE_CHECKING:
+    from autopar.zoo.deepseek import DeepSeekV3
     from autopar.zoo.gpt import GPT
     from autopar.zoo.llama import Llama
     from autopar.zoo.mixtral import Mixtral
     from autopar.zoo.models import build
 
 _MODULES = {
+    "DeepSeekV3": "autopar.zoo.deepseek",
     "GPT": "autopar.zoo.gpt",
     "Llama": "autopar.zoo.llama",
     "Mixtral": "autopar.zoo.mixtral",
@@ -34,6 +36,8 @@ __getattr__ = lazy_attributes(__name__, _MODULES)
 __all__ = [
     "GPT",
     "ZOO",
+    "DeepSeekConfig",
+    "DeepSeekV3",
     "GPTConfig",
     "Llama",
     "LlamaConfig",

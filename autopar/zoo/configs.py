@@ -3,7 +3,8 @@ registry and the planner's capture cache name models by them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,4 +78,49 @@ class MixtralConfig(LlamaConfig):
     None: dropless, every token reaches its k experts (Mixtral's own)."""
 
 
-__all__ = ["GPTConfig", "LlamaConfig", "MixtralConfig"]
+@dataclass(frozen=True, kw_only=True)
+class DeepSeekConfig(MixtralConfig):
+    """Shape of a DeepSeek-V3 model (DeepSeek-AI 2024, arXiv:2412.19437, §2 and §4.2): a Mixtral
+    config (``ffn_dim``: one routed expert's) plus multi-head latent attention, shared experts
+    and dense first layers. ``n_kv_head`` is unused (MLA's keys and values come from one latent)."""
+
+    n_dense_layers: int = 3
+    """First layers with a dense FFN instead of experts."""
+    dense_ffn_dim: int = 18432
+    """Hidden size of those dense FFNs."""
+    n_shared_experts: int = 1
+    """Experts every token passes through, beside its routed ones."""
+    q_lora_rank: int = 1536
+    """Rank of the queries' low-rank projection."""
+    kv_lora_rank: int = 512
+    """Rank of the keys' and values' shared latent (what inference caches)."""
+    qk_nope_dim: int = 128
+    """Per-head query/key dims without rotary embedding."""
+    qk_rope_dim: int = 64
+    """Per-head query/key dims with rotary embedding (the keys' part shared by all heads)."""
+    v_head_dim: int = 128
+    """Per-head value dims."""
+    routed_scale: float = 2.5
+    """Factor on the routed experts' normalised weights."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.n_dense_layers <= self.n_layer:
+            raise ValueError(f"n_dense_layers={self.n_dense_layers} must be within 0..n_layer={self.n_layer}")
+
+
+def block_runs(config: GPTConfig | LlamaConfig) -> tuple[int, ...]:
+    """The model's blocks as runs of alike blocks, in order: (n_layer,), or DeepSeek-V3's
+    (dense, MoE) counts."""
+    dense = getattr(config, "n_dense_layers", 0)
+    return (dense, config.n_layer - dense) if 0 < dense < config.n_layer else (config.n_layer,)
+
+
+def with_block_runs(config: Any, runs: tuple[int, ...]) -> Any:
+    """``config`` with ``runs`` blocks (``block_runs``'s form): a shallow copy's shape."""
+    if len(runs) == 2:
+        return replace(config, n_dense_layers=runs[0], n_layer=sum(runs))
+    return replace(config, n_layer=runs[0])
+
+
+__all__ = ["DeepSeekConfig", "GPTConfig", "LlamaConfig", "MixtralConfig", "block_runs", "with_block_runs"]

@@ -116,4 +116,18 @@ def route(
     return rows, offs, where
 
 
-__all__ = ["GroupedExperts", "grouped_mm", "grouped_mm_weight_grad", "route"]
+def routed(
+    experts: GroupedExperts,
+    xs: torch.Tensor,
+    weights: torch.Tensor,
+    chosen: torch.Tensor,
+    capacity_factor: float | None,
+) -> torch.Tensor:
+    """(S, H) tokens through their k ``chosen`` experts (S, k), summed by their ``weights``."""
+    S, k = chosen.shape
+    rows, offs, where = route(xs, chosen, experts.w1.shape[0], capacity_factor)
+    out = torch.cat([experts(rows, offs), xs.new_zeros(1, xs.shape[1])])  # the last row: dropped
+    return (out[where] * weights.reshape(-1, 1)).view(S, k, -1).sum(1)
+
+
+__all__ = ["GroupedExperts", "grouped_mm", "grouped_mm_weight_grad", "route", "routed"]

@@ -8,6 +8,8 @@ Shapes per Meta's Llama 3 model card (Dubey et al. 2024, Table 3).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,10 +72,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig, ffn: nn.Module | None = None) -> None:
+    def __init__(
+        self, cfg: LlamaConfig, ffn: nn.Module | None = None, attention: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = attention if attention is not None else Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = ffn if ffn is not None else FeedForward(cfg.dim, cfg.ffn_dim)
 
@@ -82,9 +86,10 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-def rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (max_seq_len, head_dim), rotate-half layout."""
-    head_dim = cfg.dim // cfg.n_head
+def rope_tables(cfg: LlamaConfig, head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_seq_len, head_dim), rotate-half layout (head_dim: dim / n_head
+    unless given)."""
+    head_dim = head_dim or cfg.dim // cfg.n_head
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
     t = torch.arange(cfg.max_seq_len).float()
     freqs = torch.outer(t, inv_freq)
@@ -98,15 +103,22 @@ class Llama(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, cfg: LlamaConfig, block_factory: type[TransformerBlock] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        block_factory: Callable[[LlamaConfig, int], nn.Module] | None = None,
+        rope_dim: int | None = None,
+    ) -> None:
+        """``block_factory(cfg, i)`` makes block i (a ``TransformerBlock`` unless given);
+        ``rope_dim``: the rotary tables' width (dim / n_head unless given)."""
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        make = block_factory or TransformerBlock
-        self.layers = nn.ModuleList([make(cfg) for _ in range(cfg.n_layer)])
+        make = block_factory or (lambda c, _: TransformerBlock(c))
+        self.layers = nn.ModuleList([make(cfg, i) for i in range(cfg.n_layer)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg)
+        cos, sin = rope_tables(cfg, rope_dim)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         for m in self.modules():  # N(0, 0.02) weights; meta tensors hold no values

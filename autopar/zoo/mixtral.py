@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.zoo.configs import MixtralConfig
-from autopar.zoo.grouped import GroupedExperts, route
+from autopar.zoo.grouped import GroupedExperts, routed
 from autopar.zoo.llama import Llama, LlamaConfig, TransformerBlock
 
 
@@ -32,14 +32,11 @@ class MoE(nn.Module):
         xs = x.reshape(B * T, H)
         weights, chosen = torch.topk(self.gate(xs), self.top_k, dim=-1)  # (S, k)
         weights = F.softmax(weights.float(), dim=-1).to(x.dtype)  # Mixtral: softmax over the top k
-        rows, offs, where = route(xs, chosen, self.n_experts, self.capacity_factor)
-        out = torch.cat([self.experts(rows, offs), xs.new_zeros(1, H)])  # the last row: dropped
-        y = out[where] * weights.reshape(-1, 1)
-        return y.view(B * T, self.top_k, H).sum(1).view(B, T, H)
+        return routed(self.experts, xs, weights, chosen, self.capacity_factor).view(B, T, H)
 
 
 class MoEBlock(TransformerBlock):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         assert isinstance(cfg, MixtralConfig)
         super().__init__(cfg, ffn=MoE(cfg))
 

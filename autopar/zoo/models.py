@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from autopar.errors import ModelSpecError
+from autopar.zoo.configs import with_block_runs
+from autopar.zoo.deepseek import DeepSeekV3
 from autopar.zoo.gpt import GPT
 from autopar.zoo.llama import Llama
 from autopar.zoo.mixtral import Mixtral
@@ -20,19 +22,21 @@ def build(
     *,
     device: str | torch.device = "meta",
     dtype: torch.dtype = torch.bfloat16,
-    blocks: int | None = None,
+    runs: tuple[int, ...] | None = None,
 ) -> nn.Module:
-    """Construct zoo model ``name`` on ``device`` with parameters in ``dtype`` (with ``blocks``
-    blocks instead of its own when given: a shallow copy the planner captures in its place)."""
+    """Construct zoo model ``name`` on ``device`` with parameters in ``dtype`` (with ``runs``
+    blocks instead of its own when given, in ``configs.block_runs``' form: a shallow copy the
+    planner captures in its place)."""
     if name not in ZOO:
         raise ModelSpecError(
             f"unknown model {name!r}; built-in models are {', '.join(ZOO)} "
             "(or give path/to/file.py:factory or package.module:factory)"
         )
     entry = ZOO[name]
-    if blocks is not None:
-        entry = replace(entry, config=replace(entry.config, n_layer=blocks))
-    cls: Callable[..., nn.Module] = {"gpt": GPT, "llama": Llama, "mixtral": Mixtral}[entry.family]
+    if runs is not None:
+        entry = replace(entry, config=with_block_runs(entry.config, runs))
+    families = {"gpt": GPT, "llama": Llama, "mixtral": Mixtral, "deepseek": DeepSeekV3}
+    cls: Callable[..., nn.Module] = families[entry.family]
     with torch.device(device):
         model = cls(entry.config)
     return model.to(dtype)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.errors import ModelSpecError
-from autopar.zoo.configs import GPTConfig, LlamaConfig, MixtralConfig
+from autopar.zoo.configs import DeepSeekConfig, GPTConfig, LlamaConfig, MixtralConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,7 +16,7 @@ class ZooEntry:
     name: str
     """Short lower-case name, e.g. ``"llama3-70b"``."""
     family: str
-    """``gpt``, ``llama`` or ``mixtral``."""
+    """``gpt``, ``llama``, ``mixtral`` or ``deepseek``."""
     config: GPTConfig | LlamaConfig
     """The model's shape."""
     source: str
@@ -83,6 +83,27 @@ ZOO: dict[str, ZooEntry] = {
                 top_k=2,
             ),
             source="Jiang et al. 2024 (Mixtral of Experts)",
+        ),
+        ZooEntry(
+            name="deepseek-v3-671b",
+            family="deepseek",
+            config=DeepSeekConfig(
+                n_layer=61,
+                dim=7168,
+                n_head=128,
+                n_kv_head=128,
+                ffn_dim=2048,
+                vocab_size=129280,
+                max_seq_len=4096,
+                rope_theta=10000.0,
+                n_experts=256,
+                top_k=8,
+                norm_eps=1e-6,
+                n_dense_layers=0,  # V3 has 3; the planner prices one repeated block type
+            ),
+            source="DeepSeek-AI 2024 (DeepSeek-V3, arXiv:2412.19437), pre-trained at s=4096; stand-in: "
+            "all 61 layers MoE (V3's first 3 are dense), routing without group limits or balancing "
+            "bias, no MTP module",
         ),
     ]
 }

@@ -25,6 +25,27 @@ def test_deepened_profile_equals_the_whole_capture(spec: str, seq: int) -> None:
     assert shallow == whole  # every field but the graph: costs, layers, names, parameters
 
 
+def test_runs_of_unlike_blocks_are_deepened_run_by_run() -> None:
+    """DeepSeek-V3's shape: dense blocks, then MoE blocks; a copy with two of each, deepened to
+    3 and 5, equals the capture of all 8."""
+    import torch
+
+    from autopar.zoo import DeepSeekConfig, DeepSeekV3
+    from tests.autopar.zoo.test_zoo import TINY_DEEPSEEK
+
+    def captured(dense: int, layers: int) -> ModelProfile:
+        with torch.device("meta"):
+            model = DeepSeekV3(
+                DeepSeekConfig(**{**TINY_DEEPSEEK, "n_dense_layers": dense, "n_layer": layers})
+            )
+        return ModelProfile.from_captured(capture(model, batch=1, seq=16))
+
+    shallow, whole = captured(2, 4), captured(3, 8)
+    assert len(set(whole.layers[1:-1])) == 2
+    assert shallow.deepened((3, 5)) == whole
+    assert shallow.deepened(8) is None  # two runs, not one
+
+
 def test_a_profile_that_cannot_be_deepened() -> None:
     profile = ModelProfiles.of("gpt2", dtype="bf16", seq=64).at(1)
     edges = (profile.layers[0], profile.layers[-1])

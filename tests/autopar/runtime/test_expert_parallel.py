@@ -18,7 +18,8 @@ from autopar.measure.verify import verify_cases
 from autopar.planner import ModelProfiles, make_plan
 from autopar.request import Constraints, PlanRequest
 from autopar.zoo import hf
-from autopar.zoo.configs import MixtralConfig
+from autopar.zoo.configs import DeepSeekConfig, MixtralConfig
+from autopar.zoo.deepseek import DeepSeekV3
 from autopar.zoo.mixtral import Mixtral
 
 STEPS, BATCH, SEQ = 2, 4, 16
@@ -60,6 +61,14 @@ def zoo_mixtral(capacity_factor: float | None = None) -> Mixtral:
     return Mixtral(MixtralConfig(**cfg, n_experts=4, top_k=2, capacity_factor=capacity_factor))
 
 
+def zoo_deepseek() -> DeepSeekV3:
+    """The zoo's DeepSeek-V3, tiny: MLA, 2 MoE layers of 8 routed experts (top-3) and a shared one."""
+    from tests.autopar.zoo.test_zoo import TINY_DEEPSEEK
+
+    torch.manual_seed(0)
+    return DeepSeekV3(DeepSeekConfig(**{**TINY_DEEPSEEK, "n_layer": 2, "n_dense_layers": 0}))
+
+
 def _plan(family: str, *, batch: int = BATCH, micro_batch: int = 1, ep: int = 2, make=None, **knobs: Any):
     make = make or functools.partial(hf.family, family)
     with torch.device("meta"):
@@ -80,15 +89,18 @@ def _plan(family: str, *, batch: int = BATCH, micro_batch: int = 1, ep: int = 2,
 def test_ep2_trains_like_one_process_and_round_trips_its_checkpoints(tmp_path) -> None:
     """Hugging Face's Mixtral and Qwen2-MoE, the zoo's Mixtral dropless and with a capacity that
     drops tokens (compared with one process running the same micro-batches: a token's fate
-    depends on the micro-batch it is in, ``measure.arithmetic.batch_dependent``)."""
+    depends on the micro-batch it is in, ``measure.arithmetic.batch_dependent``), the zoo's
+    DeepSeek-V3 with selective recompute (its attention outlined beside the outlined experts)."""
     mixtral, qwen = functools.partial(hf.family, "mixtral"), functools.partial(hf.family, "qwen2-moe")
     zoo, capped = zoo_mixtral, functools.partial(zoo_mixtral, 0.5)
     recomputing = functools.partial(expect_all_to_alls, recomputed=True)
+    deep = zoo_deepseek
     cases = [
         (mixtral, _plan("mixtral", zero=1, recompute=("none",)), expect_all_to_alls),
         (qwen, _plan("qwen2-moe", zero=3, recompute=("full",)), None),
         (zoo, _plan("zoo", make=zoo, zero=1, recompute=("none",)), expect_all_to_alls),
         (capped, _plan("capped", make=capped, zero=2, recompute=("full",)), recomputing),
+        (deep, _plan("deepseek", make=deep, zero=3, recompute=("selective",)), expect_all_to_alls),
     ]
     for _, plan, _ in cases:
         assert plan.strategy.ep == 2 and plan.strategy.micro_batches == MICRO_BATCHES

@@ -5,10 +5,41 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.zoo import GPT, ZOO, GPTConfig, Llama, LlamaConfig, Mixtral, MixtralConfig, build
+from autopar.zoo import (
+    GPT,
+    ZOO,
+    DeepSeekConfig,
+    DeepSeekV3,
+    GPTConfig,
+    Llama,
+    LlamaConfig,
+    Mixtral,
+    MixtralConfig,
+    build,
+)
+
+TINY_DEEPSEEK = dict(
+    n_layer=3,
+    n_dense_layers=1,
+    dim=32,
+    n_head=4,
+    n_kv_head=4,
+    ffn_dim=16,
+    dense_ffn_dim=48,
+    vocab_size=64,
+    max_seq_len=16,
+    n_experts=8,
+    top_k=3,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_dim=8,
+    qk_rope_dim=4,
+    v_head_dim=8,
+)
 
 # Published totals: GPT-2 124M (Radford 2019, HF count), Megatron Table 1 (Narayanan SC'21),
-# Llama 3 8B/70B/405B (Dubey 2024), Mixtral 46.7B (Jiang 2024).
+# Llama 3 8B/70B/405B (Dubey 2024), Mixtral 46.7B (Jiang 2024). DeepSeek-V3 (671B) with its 3 dense
+# layers; the zoo's stand-in makes them MoE too (703.8B), the real shape is checked beside it.
 PUBLISHED = {
     "gpt2": 124.4e6,
     "gpt2-xl": 1.558e9,
@@ -23,7 +54,20 @@ PUBLISHED = {
     "llama3-70b": 70.6e9,
     "llama3-405b": 405.9e9,
     "mixtral-8x7b": 46.7e9,
+    "deepseek-v3-671b": 703.8e9,
 }
+
+
+def test_deepseek_v3_with_its_dense_layers_has_its_published_671b_parameters() -> None:
+    from dataclasses import replace
+
+    from autopar.zoo import DeepSeekV3
+
+    cfg = replace(ZOO["deepseek-v3-671b"].config, n_dense_layers=3)
+    with torch.device("meta"):
+        model = DeepSeekV3(cfg)
+    # DeepSeek-AI 2024: 671B total (the MTP module's 14B aside)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(671e9, rel=0.005)
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -47,6 +91,7 @@ def test_zoo_names_are_short_lower_case() -> None:
         lambda: Llama(
             LlamaConfig(n_layer=2, dim=32, n_head=4, n_kv_head=2, ffn_dim=48, vocab_size=64, max_seq_len=16)
         ),
+        lambda: DeepSeekV3(DeepSeekConfig(**TINY_DEEPSEEK)),
         lambda: Mixtral(
             MixtralConfig(
                 n_layer=2,
