@@ -254,10 +254,12 @@ def _expert_note(st: Strategy, predicted: dict[str, Any]) -> str:
         return ""
     a2a = predicted.get("breakdown_s", {}).get("ep_comm")
     cost = f", all-to-alls {a2a:.3g} s per step" if a2a is not None else ""
+    skew = st.expert_skew
+    priced = f", priced with the busiest rank at {skew:g}× an even share of rows" if skew > 1 else ""
     return (
         f"; expert parallel: each MoE layer's experts split over ep {st.ep} of the {st.dp} data-parallel "
-        f"ranks (1/{st.ep} each; dropless: every routed row is computed), their states sharded over "
-        f"the {st.dp // st.ep} holding the same{cost}"
+        f"ranks (1/{st.ep} each; every row the model routes goes to its expert's rank and back, none "
+        f"dropped), their states sharded over the {st.dp // st.ep} holding the same{cost}{priced}"
     )
 
 

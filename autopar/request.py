@@ -69,6 +69,9 @@ class Constraints:
     ep: int | None = None
     """Fix the expert-parallel degree (``Strategy.ep``; 1: experts replicated). None: the planner
     prices every ep dividing dp and the model's routed experts (tp = 1)."""
+    expert_skew: float = 1.0
+    """The experts' load imbalance the plans are priced with (``Strategy.expert_skew``): routed
+    rows on the busiest expert-parallel rank over an even share; 1 (balanced) by default."""
     compile: str | None = "off"
     """Fix how the plan compiles (``Strategy.compile``: off or block). None: the planner prices
     both and keeps the faster; off by default, as compiling costs minutes of warm-up and a
@@ -94,9 +97,7 @@ class Constraints:
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < least):
                 kind = "non-negative" if least == 0 else "positive"
                 raise AutoparError(f"{name} must be a {kind} integer, got {k!r}")
-        b = self.bucket_mb
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int | float) or not 0 < b < math.inf):
-            raise AutoparError(f"bucket_mb must be a positive number of MiB, got {b!r}")
+        self._check_numbers()
         r = self.dp_replicate
         if r is not None and r > 1 and self.zero is not None and self.zero < 2:
             raise AutoparError(f"HSDP (dp_replicate {r}) shards with ZeRO-2 or 3, not ZeRO-{self.zero}")
@@ -104,15 +105,24 @@ class Constraints:
             raise AutoparError(
                 f"tp_objective must be one of {', '.join(TP_OBJECTIVES)}, got {self.tp_objective!r}"
             )
-        if self.memory_cap_bytes is not None and not self.memory_cap_bytes > 0:
-            raise AutoparError(f"memory_cap_bytes must be positive, got {self.memory_cap_bytes!r}")
-        if self.reserve_bytes is not None and not self.reserve_bytes >= 0:
-            raise AutoparError(f"reserve_bytes must be non-negative, got {self.reserve_bytes!r}")
         if not self.recompute or not all(isinstance(r, str) and is_recompute_name(r) for r in self.recompute):
             raise AutoparError(
                 f"recompute takes a non-empty subset of {', '.join(ALLOWED_RECOMPUTE)} or policy names "
                 f"(sac1, sac2, …), got {self.recompute!r}"
             )
+
+    def _check_numbers(self) -> None:
+        """The real-valued knobs: skew, bucket size, memory cap and reserve."""
+        s = self.expert_skew
+        if isinstance(s, bool) or not isinstance(s, int | float) or not 1 <= s < math.inf:
+            raise AutoparError(f"expert_skew must be a number ≥ 1 (1: balanced experts), got {s!r}")
+        b = self.bucket_mb
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int | float) or not 0 < b < math.inf):
+            raise AutoparError(f"bucket_mb must be a positive number of MiB, got {b!r}")
+        if self.memory_cap_bytes is not None and not self.memory_cap_bytes > 0:
+            raise AutoparError(f"memory_cap_bytes must be positive, got {self.memory_cap_bytes!r}")
+        if self.reserve_bytes is not None and not self.reserve_bytes >= 0:
+            raise AutoparError(f"reserve_bytes must be non-negative, got {self.reserve_bytes!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -148,6 +148,11 @@ class Strategy:
     the data-parallel axis, rows sent to their expert's rank and back by all-to-all; the expert
     weights' ZeRO group is the dp / ep ranks holding the same experts (torchtitan's, Megatron's).
     1: experts replicated like every other weight."""
+    expert_skew: float = 1.0
+    """Routed rows the busiest expert-parallel rank receives over an even share (1: balanced,
+    what a router's load-balancing loss aims at; at most ep: every row to one rank). Prices the
+    experts' compute and the all-to-alls of ep > 1 plans (``cost_models.experts``); it changes
+    nothing that runs. Set it from router statistics (``train_step``'s per-expert counts)."""
     dp_replicate: int = 1
     """Hybrid sharding (HSDP): the data-parallel axis as ``dp_replicate`` groups of
     ``dp_shard`` = dp / dp_replicate consecutive ranks; ZeRO shards the model states within a
@@ -232,6 +237,9 @@ class Strategy:
                 f"bucket_mb {self.bucket_mb:g} sizes DDP's gradient buckets: it needs a plan on DDP "
                 "(dp > 1, tp = pp = 1, ZeRO 0 or 1); FSDP2 reduces each block's gradients at once"
             )
+        skew = self.expert_skew
+        if isinstance(skew, bool) or not isinstance(skew, int | float) or not 1 <= skew < math.inf:
+            raise StrategyError(f"expert_skew must be a number ≥ 1 (1: balanced experts), got {skew!r}")
         if self.ep > 1 and (self.dp % self.ep or self.tp > 1 or self.dp_replicate > 1):
             raise StrategyError(
                 f"ep {self.ep} takes its ranks from the data-parallel axis: it must divide dp = {self.dp}, "

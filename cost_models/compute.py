@@ -61,6 +61,14 @@ def attention_forward_s(layer: LayerCost, device: DeviceSpec, dtype: str, *, tp:
     return sum(op.kernel_flops / tp / rate for op in layer.ops if op.attention)
 
 
+def expert_forward_s(layer: LayerCost, device: DeviceSpec, dtype: str) -> float:
+    """Forward seconds of the layer's routed experts' grouped matmuls on one GPU (roofline, at
+    an even share of rows: ``OpCost.expert``)."""
+    rate = device.achievable_flops(dtype)
+    bw = device.hbm_bandwidth_bytes_per_s
+    return sum(max(op.kernel_flops / rate, op.mem_bytes / bw) for op in layer.ops if op.expert)
+
+
 def layer_backward_s(layer: LayerCost, device: DeviceSpec, dtype: str, *, tp: int, fwd_s: float) -> float:
     """Backward seconds of one layer on one GPU: 2× its forward ``fwd_s``, and for each fused
     attention kernel (FLASH_BACKWARD_RATIO − 2) × its forward more: 2·F + 0.5·A."""

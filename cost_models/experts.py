@@ -5,17 +5,22 @@ With ep ranks taken from the data-parallel axis (Lepikhin et al. 2020, GShard §
 al. 2022, Switch §2.2; torchtitan's and Megatron's layout), each rank holds E/ep of a layer's
 experts. A micro-batch's forward sends each routed row to the rank holding its expert
 (dispatch) and brings the result back (combine); the backward runs the conjugate exchanges.
-Rows are taken as spread evenly over the experts (what the routers' load-balancing loss aims
-at): each rank keeps 1/ep of its rows and sends the rest, so an exchange of S bytes costs the
-pairwise all-to-all, (ep − 1)·α + (ep − 1)/ep·S/β (``comm.all_to_all_time_s``). Before the
-dispatch the ranks exchange their per-expert row counts (E integers: latency).
+Rows spread evenly over the experts (what the routers' load-balancing loss aims at) leave each
+rank 1/ep of its rows and send the rest, so an exchange of S bytes costs the pairwise
+all-to-all, (ep − 1)·α + (ep − 1)/ep·S/β (``comm.all_to_all_time_s``). Before the dispatch the
+ranks exchange their per-expert row counts (E integers: latency). An imbalance
+(``Strategy.expert_skew`` = s: the busiest rank receives s × an even share of rows) is priced
+on that rank, which every other waits for: its experts' matmuls at s × their even-share time,
+its exchanges at s × the bytes (DeepSpeed-MoE and Tutel size their buffers by the same
+per-expert maximum; Rajbhandari et al. 2022 §5, Hwang et al. 2023 §3). s = 1 by default.
 """
 
 from __future__ import annotations
 
-from autopar.cluster import Cluster
+from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models import comm
 from autopar.cost_models import memory as mem
+from autopar.cost_models.compute import expert_forward_s
 from autopar.cost_models.profile import LayerCost
 from autopar.strategy import Strategy
 
@@ -41,7 +46,20 @@ def ep_backward_s(lc: LayerCost, st: Strategy, link: comm.GroupLink) -> float:
     """The backward's two row exchanges (the gradients of the combine and of the dispatch)."""
     if st.ep == 1 or not lc.experts:
         return 0.0
-    return 2 * comm.all_to_all_time_s(lc.a2a_bytes / 2, st.ep, link)
+    return 2 * comm.all_to_all_time_s(skew(st) * lc.a2a_bytes / 2, st.ep, link)
+
+
+def skew(st: Strategy) -> float:
+    """The busiest EP rank's rows over an even share: ``Strategy.expert_skew``, at most ep (every
+    row on one rank); 1 without expert parallelism (each rank runs its own rows)."""
+    return min(st.expert_skew, st.ep) if st.ep > 1 else 1.0
+
+
+def expert_skew_s(lc: LayerCost, st: Strategy, device: DeviceSpec) -> float:
+    """Forward seconds the busiest EP rank spends on rows beyond an even share: (skew − 1) × the
+    experts' grouped matmuls at an even share (``compute.expert_forward_s``); its backward is
+    twice that, as every matmul's (Narayanan et al. SC'21 §3.5)."""
+    return (skew(st) - 1) * expert_forward_s(lc, device, st.dtype) if lc.experts else 0.0
 
 
 def expert_factors(cluster: Cluster, st: Strategy) -> dict[str, float]:
@@ -67,4 +85,4 @@ def expert_factors(cluster: Cluster, st: Strategy) -> dict[str, float]:
     }
 
 
-__all__ = ["ep_backward_s", "ep_forward_s", "ep_link", "expert_factors"]
+__all__ = ["ep_backward_s", "ep_forward_s", "ep_link", "expert_factors", "expert_skew_s", "skew"]

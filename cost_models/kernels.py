@@ -31,6 +31,9 @@ class OpCost:
     attention: bool = False
     """A fused attention kernel (``graph.dispatch.fused_attention``): priced at the device's
     attention efficiency, its backward at ``compute.FLASH_BACKWARD_RATIO`` × its forward."""
+    expert: bool = False
+    """A routed experts' grouped matmul (``autopar.expert``): under expert parallelism the
+    busiest rank runs ``Strategy.expert_skew`` × its even share of rows."""
 
 
 def elem_bytes_of(dtype: str) -> int:
@@ -114,6 +117,7 @@ def op_cost(n: fx.Node, h: int) -> OpCost:
         mem_bytes=int(n.meta.get("autopar.mem_bytes", 0)),
         stream=is_stream_op(n, h),
         attention=fused_attention(n),
+        expert=bool(n.meta.get("autopar.expert", False)),
     )
 
 

@@ -30,7 +30,7 @@ from autopar.cost_models.compute import (
     optimizer_s_per_param,
     weight_grad_s,
 )
-from autopar.cost_models.experts import ep_backward_s, ep_forward_s, ep_link, expert_factors
+from autopar.cost_models.experts import ep_backward_s, ep_forward_s, ep_link, expert_factors, expert_skew_s
 from autopar.cost_models.pipeline import bubble_rounds
 from autopar.cost_models.profile import LayerCost, ModelProfile
 from autopar.errors import AutoparError
@@ -301,7 +301,8 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     chosen = tp_layout.get(name) if tp_layout and t > 1 else None
     share = chosen.stream_share if chosen is not None else None
     compiled = st.compile == "block" and name not in ("embed", "head")  # the blocks are compiled
-    fwd = (
+    skew_s = expert_skew_s(lc, st, ctx.device)  # the busiest EP rank's extra expert rows
+    fwd = skew_s + (
         got.forward_s
         if got
         else layer_forward_s(lc, ctx.device, st.dtype, tp=t, sp=sp, stream_share=share, compiled=compiled)
@@ -310,7 +311,7 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     ep_fwd, ep_bwd = ep_forward_s(lc, st, ctx.ep_link), ep_backward_s(lc, st, ctx.ep_link)
     redo_s, act, redo_flops = _redone(ctx, lc, choice, fwd, stream_share=share, measured=got)
     whole_block = choice == "full" or st.policy(choice) is not None  # its forward's collectives again
-    bwd = got.backward_s if got else layer_backward_s(lc, ctx.device, st.dtype, tp=t, fwd_s=fwd)
+    bwd = got.backward_s + 2 * skew_s if got else layer_backward_s(lc, ctx.device, st.dtype, tp=t, fwd_s=fwd)
     experts = lc.expert_params / st.ep  # ep > 1 needs tp = 1: E/ep experts whole on the rank
     params = (chosen.local_params if chosen is not None else lc.params / t) - lc.expert_params + experts
     tokens = st.micro_batch * st.seq

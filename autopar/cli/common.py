@@ -65,6 +65,14 @@ def positive_float(text: str) -> float:
     return _number(text, allow_zero=False)
 
 
+def skew_factor(text: str) -> float:
+    """argparse type: a finite number ≥ 1 (an imbalance: the busiest share over an even one)."""
+    value = _number(text, allow_zero=False)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number ≥ 1 (1: balanced), got {text}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """argparse type: a non-negative finite number (memory kept back)."""
     return _number(text, allow_zero=True)
@@ -72,6 +80,16 @@ def non_negative_float(text: str) -> float:
 
 def add_json_flag(p: argparse.ArgumentParser, what: str = "a table") -> None:
     p.add_argument("--json", action="store_true", help=f"print JSON instead of {what}")
+
+
+def add_skew_flag(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    g.add_argument(
+        "--expert-skew",
+        type=skew_factor,
+        default=1.0,
+        help="MoE load imbalance to price expert-parallel plans with: routed rows on the busiest EP "
+        "rank over an even share (default 1: balanced)",
+    )
 
 
 def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
@@ -86,6 +104,7 @@ def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
         help="fix the expert-parallel degree: each MoE layer's experts split over this many of the "
         "data-parallel ranks (1: replicated; default: the planner picks)",
     )
+    add_skew_flag(g)
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="fix the ZeRO stage")
     g.add_argument("--micro-batch", type=positive, default=None, help="fix the micro-batch size")
     g.add_argument("--schedule", choices=list(SCHEDULES), default=None)
@@ -177,6 +196,7 @@ def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Constraints
         pp=args.pp,
         dp=args.dp,
         ep=args.ep,
+        expert_skew=args.expert_skew,
         zero=args.zero,
         micro_batch=args.micro_batch,
         schedule=args.schedule,

@@ -20,6 +20,7 @@ from autopar.cli.common import (
     add_json_flag,
     add_measured_flags,
     add_powersgd_flag,
+    add_skew_flag,
     count,
     non_negative_float,
     positive,
@@ -59,6 +60,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--ep", type=positive, default=1, help="expert-parallel degree, within dp (MoE models; default 1)"
     )
+    add_skew_flag(p)
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (default 0)")
     p.add_argument("--micro-batch", type=positive, default=1, help="sequences per micro-batch")
     p.add_argument("--global-batch", type=positive, required=True, help="sequences per step")
@@ -191,6 +193,7 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
         tp=args.tp,
         pp=args.pp,
         ep=args.ep,
+        expert_skew=args.expert_skew,
         zero=args.zero,
         micro_batch=args.micro_batch,
         global_batch=args.global_batch,

@@ -183,6 +183,7 @@ class _CostInterpreter(fx.Interpreter):
         n.meta["autopar.dtype"] = str(first.dtype).removeprefix("torch.") if first is not None else ""
         n.meta["autopar.fwd_flops"] = fwd
         n.meta["autopar.kernel_flops"] = round(fwd * causal_share(n))
+        n.meta["autopar.expert"] = n.op == "call_function" and op_name(n.target) in GROUPED_MM
         # (a get_attr's calls make our fake parameters: the real graph reads a tensor)
         self.node_calls[n] = (first_call, len(self.counter.calls)) if n.op == "call_function" else (0, 0)
         n.meta["autopar.bwd_flops"] = fwd * min(2, grad_operands)

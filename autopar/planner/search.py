@@ -187,6 +187,7 @@ def outer_strategies(
                         pp=pp,
                         dp=dp,
                         ep=ep,
+                        expert_skew=c.expert_skew,
                         zero=zero,
                         micro_batch=b,
                         global_batch=request.global_batch,

@@ -110,3 +110,42 @@ def test_the_planner_prices_each_ep_on_its_own_terms() -> None:
         pricer.estimate(replace(st, ep=2)).step_time_s
         == estimate(_profile(), _cluster(), replace(st, ep=2)).step_time_s
     )
+
+
+def test_an_expert_skew_slows_the_busiest_rank_by_its_extra_rows() -> None:
+    """skew s: the experts' grouped matmuls at s × their even-share time (backward 2×), the row
+    exchanges at s × the bytes; nothing changes without EP, and s < 1 is refused."""
+    from autopar.cost_models.compute import expert_forward_s
+    from autopar.cost_models.terms import layer_units
+    from autopar.request import Constraints
+
+    profile, cluster = _profile(), _cluster()
+    lc = profile.layer_types["MixtralDecoderLayer"]
+    assert sum(op.expert for op in lc.ops) == 2  # gate-up and down: the grouped matmuls
+    even = expert_forward_s(lc, cluster.device, "fp32")
+    assert even > 0
+    base = Strategy(dp=4, ep=2, zero=1, micro_batch=2, global_batch=8, seq=SEQ, dtype="fp32")
+    skewed = replace(base, expert_skew=1.5)
+    (u1, _, _), (u2, _, _) = layer_units(profile, cluster, base), layer_units(profile, cluster, skewed)
+    assert u2["none"].fwd_s - u1["none"].fwd_s == pytest.approx(0.5 * even)
+    assert u2["none"].bwd_compute_s - u1["none"].bwd_compute_s == pytest.approx(2 * 0.5 * even)
+    link = comm.group_link(cluster, size=2, stride=1)
+    rows = 2 * (
+        comm.all_to_all_time_s(1.5 * lc.a2a_bytes / 2, 2, link)
+        - comm.all_to_all_time_s(lc.a2a_bytes / 2, 2, link)
+    )
+    assert u2["none"].ep_s - u1["none"].ep_s == pytest.approx(2 * rows)  # forward and backward
+    # skew past ep is capped at ep (every row on one rank)
+    assert layer_units(profile, cluster, replace(base, expert_skew=9.0))[0]["none"].fwd_s == pytest.approx(
+        layer_units(profile, cluster, replace(base, expert_skew=2.0))[0]["none"].fwd_s
+    )
+    no_ep = replace(base, ep=1)
+    plain, skew3 = (
+        estimate(profile, cluster, no_ep),
+        estimate(profile, cluster, replace(no_ep, expert_skew=3.0)),
+    )
+    assert plain.step_time_s == skew3.step_time_s and plain.memory == skew3.memory
+    with pytest.raises(StrategyError, match="expert_skew"):
+        replace(base, expert_skew=0.5)
+    with pytest.raises(Exception, match="expert_skew"):
+        Constraints(expert_skew=0.9)

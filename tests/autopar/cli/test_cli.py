@@ -120,3 +120,29 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(capsys, tmp
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no p.json, no *.tmp
+
+
+def test_expert_skew_is_a_number_of_at_least_one(capsys) -> None:
+    from autopar.plan import _expert_note
+    from autopar.strategy import Strategy
+
+    for bad in ("0.5", "x", "inf"):
+        with pytest.raises(SystemExit) as exit_:
+            main(
+                [
+                    "estimate",
+                    "mixtral-8x7b",
+                    "--cluster",
+                    "dgx-h100",
+                    "--global-batch",
+                    "8",
+                    "--expert-skew",
+                    bad,
+                ]
+            )
+        assert exit_.value.code == 2
+        assert "--expert-skew" in capsys.readouterr().err
+    st = Strategy(dp=8, ep=4, micro_batch=1, global_batch=8, seq=64, expert_skew=1.25)
+    note = _expert_note(st, {"breakdown_s": {"ep_comm": 0.5}})
+    assert "ep 4 of the 8" in note and "busiest rank at 1.25× an even share" in note
+    assert "busiest" not in _expert_note(Strategy(dp=8, ep=4, micro_batch=1, global_batch=8, seq=64), {})
