@@ -45,13 +45,15 @@ def layer_forward_s(
     on the residual stream move all their bytes on every rank, or 1/tp of them under sequence
     parallelism; ``stream_share``: the share a per-operator TP choice gives them instead.
     ``compiled``: the kernels ``torch.compile`` runs (``LayerCost.fused_ops``: each chain of
-    elementwise and reduction ops one kernel), else the eager ones."""
+    elementwise and reduction ops one kernel), else the eager ones. A routed experts' grouped
+    matmul (``OpCost.expert``) stays whole on every TP rank (replicated: no TP rule splits it)."""
     bw = device.hbm_bandwidth_bytes_per_s
     share = stream_share if stream_share is not None else (1 / tp if sp else 1.0)
     total = 0.0
     for op in layer.fused_ops if compiled and layer.fused_ops else layer.ops:
         rate = device.achievable_flops(dtype, attention=op.attention)
-        total += max(op.kernel_flops / tp / rate, op.mem_bytes * (share if op.stream else 1 / tp) / bw)
+        split = 1 if op.expert else tp  # no TP rule splits a grouped matmul: every TP rank runs it whole
+        total += max(op.kernel_flops / split / rate, op.mem_bytes * (share if op.stream else 1 / split) / bw)
     return total
 
 

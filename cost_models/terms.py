@@ -312,8 +312,9 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     redo_s, act, redo_flops = _redone(ctx, lc, choice, fwd, stream_share=share, measured=got)
     whole_block = choice == "full" or st.policy(choice) is not None  # its forward's collectives again
     bwd = got.backward_s + 2 * skew_s if got else layer_backward_s(lc, ctx.device, st.dtype, tp=t, fwd_s=fwd)
-    experts = lc.expert_params / st.ep  # ep > 1 needs tp = 1: E/ep experts whole on the rank
-    params = (chosen.local_params if chosen is not None else lc.params / t) - lc.expert_params + experts
+    experts = lc.expert_params / st.ep  # E/ep experts whole on the rank (TP replicates them)
+    dense = (lc.params - lc.expert_params) / t if chosen is None else chosen.local_params - lc.expert_params
+    params = dense + experts
     tokens = st.micro_batch * st.seq
     return Unit(
         fwd_s=fwd,

@@ -149,3 +149,21 @@ def test_an_expert_skew_slows_the_busiest_rank_by_its_extra_rows() -> None:
         replace(base, expert_skew=0.5)
     with pytest.raises(Exception, match="expert_skew"):
         Constraints(expert_skew=0.9)
+
+
+def test_tensor_parallelism_leaves_the_grouped_experts_whole() -> None:
+    """No TP rule splits a grouped matmul: every TP rank runs and holds all of its experts."""
+    from autopar.cost_models.compute import expert_forward_s, layer_forward_s
+    from autopar.cost_models.terms import layer_units
+
+    profile, cluster = _profile(), _cluster()
+    lc = profile.layer_types["MixtralDecoderLayer"]
+    dev = cluster.device
+    experts = expert_forward_s(lc, dev, "fp32")
+    rest = replace(lc, ops=tuple(op for op in lc.ops if not op.expert))
+    for t in (1, 2, 4):
+        split = layer_forward_s(rest, dev, "fp32", tp=t, sp=False)
+        assert layer_forward_s(lc, dev, "fp32", tp=t, sp=False) == pytest.approx(experts + split)
+    st = Strategy(tp=2, dp=2, micro_batch=2, global_batch=4, seq=SEQ, dtype="fp32")
+    blocks, _, _ = layer_units(profile, cluster, st)
+    assert blocks["none"].params == pytest.approx((lc.params - lc.expert_params) / 2 + lc.expert_params)
