@@ -240,10 +240,10 @@ class Strategy:
         skew = self.expert_skew
         if isinstance(skew, bool) or not isinstance(skew, int | float) or not 1 <= skew < math.inf:
             raise StrategyError(f"expert_skew must be a number ≥ 1 (1: balanced experts), got {skew!r}")
-        if self.ep > 1 and (self.dp % self.ep or self.tp > 1 or self.dp_replicate > 1):
+        if self.ep > 1 and (self.dp % self.ep or self.dp_replicate > 1):
             raise StrategyError(
                 f"ep {self.ep} takes its ranks from the data-parallel axis: it must divide dp = {self.dp}, "
-                "and it runs with tp = 1 and without HSDP (dp_replicate = 1)"
+                "and it runs without HSDP (dp_replicate = 1)"
             )
         if self.dp_replicate > 1 and (self.zero < 2 or self.dp % self.dp_replicate or self.dp_shard < 2):
             raise StrategyError(

@@ -145,26 +145,33 @@ def _check_rows(group: ExpertGroup, region: set[fx.Node]) -> None:
             )
 
 
-def _distribute(gm: fx.GraphModule, weight: fx.Node, mesh: DeviceMesh) -> fx.Node:
-    """Make the stacked expert weight ``weight`` reads a DTensor Shard(0) on ``mesh``; return a
-    local read of it (``to_local``, right after the get_attr), which its users now read."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+def _distribute(gm: fx.GraphModule, weight: fx.Node, mesh: DeviceMesh) -> list[fx.Node]:
+    """Make the stacked expert weight ``weight`` reads a DTensor Shard(0) on ``mesh``'s ep axis
+    (and Replicate on its tp axis, where the TP pass made it a replicated DTensor); return the
+    local reads of it (``to_local``: the TP pass's, or one inserted right after the get_attr),
+    which its users read."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     owner, _, attr = str(weight.target).rpartition(".")
     module = gm.get_submodule(owner)
     param = getattr(module, attr)
-    if not hasattr(param, "device_mesh"):
-        shard = distribute_tensor(param.detach(), mesh, [Shard(0)])
+    if isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("tp",):
+        param = param.to_local()  # replicated over tp: the whole (E, …) weight
+    if not isinstance(param, DTensor):
+        placements = [Shard(0), *[Replicate()] * (mesh.ndim - 1)]
+        shard = distribute_tensor(param.detach(), mesh, placements)
         module._parameters[attr] = torch.nn.Parameter(shard, requires_grad=param.requires_grad)
+    reads = [u for u in weight.users if u.op == "call_method" and u.target == "to_local"]
+    if reads and len(reads) == len(weight.users):
+        return reads
     with gm.graph.inserting_after(weight):
         local = gm.graph.call_method("to_local", (weight,))
     weight.replace_all_uses_with(local, delete_user_cb=lambda u: u is not local)
     local.meta = dict(weight.meta)
-    return local
+    return [local]
 
 
-def _rewrite(gm: fx.GraphModule, group: ExpertGroup, mesh: DeviceMesh, name: str) -> None:
-    ep = mesh.size()
+def _rewrite(gm: fx.GraphModule, group: ExpertGroup, mesh: DeviceMesh, ep: int, name: str) -> None:
     region = row_region(gm, group)
     _check_rows(group, region)
     graph, first, last, rows = gm.graph, group.first, group.last, group.first.args[0]
@@ -184,7 +191,7 @@ def _rewrite(gm: fx.GraphModule, group: ExpertGroup, mesh: DeviceMesh, name: str
     parts[0].meta, parts[1].meta, back.meta = dict(rows.meta), dict(group.offs.meta), dict(last.meta)
     for n in (sent, *parts, back):
         n.meta["autopar.layer"] = layer
-    chains = {n for w in group.weights for n in _weight_chain(_distribute(gm, w, mesh))}
+    chains = {n for w in group.weights for local in _distribute(gm, w, mesh) for n in _weight_chain(local)}
     for n in _with_checks(region) | chains:
         n.meta[EXPERTS] = group.path
 
@@ -201,22 +208,24 @@ def _weight_chain(local: fx.Node) -> set[fx.Node]:
 
 
 def expert_parallel(gm: fx.GraphModule, mesh: DeviceMesh) -> fx.GraphModule:
-    """Rewrite every MoE layer of ``gm`` for the ep mesh axis ``mesh`` (see the module doc)."""
+    """Rewrite every MoE layer of ``gm`` for the ep mesh axis ``mesh`` (see the module doc), or
+    for the ("ep", "tp") mesh under tensor parallelism: the experts split over ep, replicated
+    over tp (each TP rank dispatches its copy of the rows within its own ep group)."""
     groups = expert_groups(gm)
     if not groups:
         raise AutoparError(
             "ep > 1 but the model has no routed experts run as grouped matmuls (torch._grouped_mm or "
             "transformers' grouped experts); plan with --ep 1"
         )
+    ep_mesh = mesh["ep"] if mesh.ndim > 1 else mesh
     for group in groups:
-        if group.experts % mesh.size():
+        if group.experts % ep_mesh.size():
             raise AutoparError(
-                f"ep={mesh.size()} does not divide {group.path}'s {group.experts} experts; plan with an ep "
-                "that divides them"
+                f"ep={ep_mesh.size()} does not divide {group.path}'s {group.experts} experts; plan with an "
+                "ep that divides them"
             )
-    name = mesh.get_group().group_name
     for group in groups:
-        _rewrite(gm, group, mesh, name)
+        _rewrite(gm, group, mesh, ep_mesh.size(), ep_mesh.get_group().group_name)
     gm.graph.lint()
     gm.recompile()
     return gm

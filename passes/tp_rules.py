@@ -128,7 +128,9 @@ def strategies(node: fx.Node, t: int) -> list[OpStrategy]:
     shape = out_shape(node)
     replicate = OpStrategy(name="replicate", out=R, inputs=tuple(R for _ in ins), compute_fraction=1.0)
     kind = RULES.get(node.target, "replicate")
-    if shape is None or t == 1:
+    if shape is None or t == 1 or node.meta.get("autopar.expert_rows"):
+        # a routed experts' rows (``graph.experts.row_region``): expert parallelism moves them and
+        # their count varies per step, which a TP collective sized at capture could not follow
         return [replicate]
     sharded = [d for d, n in enumerate(shape) if n % t == 0 and n >= t]
     found = [replicate]

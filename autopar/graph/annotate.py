@@ -35,6 +35,9 @@ memory, no compute) with parameters that require grad, and records per node:
 - ``autopar.dispatch``: the ATen calls the node runs below autograd, in order
   (``graph.dispatch.DispatchCall``: operator, FLOPs, bytes moved, bytes its
   outputs own): what a per-operator recompute policy keeps or recomputes.
+- ``autopar.expert``: a routed experts' grouped matmul (``graph.experts.GROUPED_MM``);
+  ``autopar.expert_rows``: a node between a MoE layer's first and last grouped matmul, on
+  rows whose count expert parallelism makes vary (tensor parallelism leaves them whole).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from autopar.graph.dispatch import DispatchCall, dispatch_call, ignored, storages, written
-from autopar.graph.experts import GROUPED_MM, op_name
+from autopar.graph.experts import GROUPED_MM, expert_groups, op_name, row_region
 
 _aten = torch.ops.aten
 
@@ -279,4 +282,7 @@ def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
             if key in seen_params:
                 n.meta["autopar.param_bytes"] = 0
             seen_params.add(key)
+    for group in expert_groups(gm):  # rows whose count varies under expert parallelism
+        for n in row_region(gm, group):
+            n.meta["autopar.expert_rows"] = True
     return gm

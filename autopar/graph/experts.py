@@ -80,7 +80,9 @@ class ExpertGroup:
 def weight_source(node: fx.Node) -> fx.Node | None:
     """The get_attr an expert matmul's weight argument reads, through ``WEIGHT_VIEWS``; None if
     it is computed otherwise."""
-    while node.op == "call_function" and op_name(node.target) in WEIGHT_VIEWS:
+    while (node.op == "call_function" and op_name(node.target) in WEIGHT_VIEWS) or (
+        node.op == "call_method" and node.target == "to_local"  # a DTensor weight (the TP pass's)
+    ):
         if op_name(node.target) == "aten::permute" and next(iter(node.args[1])) not in (0, -3):  # type: ignore[arg-type]
             return None
         node = node.args[0]  # type: ignore[assignment]

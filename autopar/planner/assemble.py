@@ -185,7 +185,7 @@ def _no_strategy(request: PlanRequest, *, blocks: int, heads: int | None, expert
         f"data-parallel degree dp = GPUs ÷ (tp·pp), with tp dividing the node"
         + (f" and the {heads} heads" if heads else "")
         + f" and pp at most {blocks} blocks"
-        + (f", ep dividing dp and the {experts} experts at tp 1" if c.ep else "")
+        + (f", ep dividing dp and the {experts} experts" if c.ep else "")
     )
     if fixed:
         return InfeasibleError(f"no strategy fits the constraints {', '.join(fixed)}: {rule}; loosen them")

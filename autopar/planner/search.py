@@ -143,9 +143,9 @@ def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> l
 
 
 def _expert_degrees(c: Constraints, *, tp: int, dp: int, experts: int) -> list[int]:
-    """ep choices: the constraint's where it fits; else 1 and, for a model with routed experts
-    at tp = 1, every ep > 1 dividing both dp and the experts (``Strategy.ep``)."""
-    fits = [e for e in _divisors(dp) if e == 1 or (tp == 1 and experts and experts % e == 0)]
+    """ep choices: the constraint's where it fits; else 1 and, for a model with routed experts,
+    every ep > 1 dividing both dp and the experts (``Strategy.ep``)."""
+    fits = [e for e in _divisors(dp) if e == 1 or (experts and experts % e == 0)]
     return [e for e in fits if e == c.ep] if c.ep is not None else fits
 
 

@@ -112,7 +112,7 @@ def apply_expert_parallel(stages: Stages, plan: Plan, mesh: Any) -> None:
     """ep > 1: each MoE layer's experts split over the mesh's ep axis, rows sent to them and
     back by all-to-all (``passes.expert_parallel``)."""
     if plan.strategy.ep > 1 and stages.gm is not None:
-        stages.gm = expert_parallel(stages.gm, mesh["ep"])
+        stages.gm = expert_parallel(stages.gm, mesh["ep", "tp"] if plan.strategy.tp > 1 else mesh["ep"])
 
 
 def apply_loss_split(stages: Stages, plan: Plan, objective: Objective) -> None:

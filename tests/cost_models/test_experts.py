@@ -85,8 +85,9 @@ def test_expert_factors_follow_the_shard_groups() -> None:
 def test_ep_must_divide_dp_and_the_experts() -> None:
     with pytest.raises(StrategyError, match="must divide dp"):
         Strategy(dp=4, ep=3, global_batch=12)
-    with pytest.raises(StrategyError, match="tp = 1"):
-        Strategy(dp=2, tp=2, ep=2, global_batch=8)
+    with pytest.raises(StrategyError, match="without HSDP"):
+        Strategy(dp=4, ep=2, zero=2, dp_replicate=2, global_batch=8)
+    assert Strategy(dp=2, tp=2, ep=2, global_batch=8).ep == 2  # experts replicated over tp
     st = Strategy(dp=8, ep=8, global_batch=8)
     with pytest.raises(StrategyError, match="has 4 routed experts"):
         check_strategy(st, world_size=8, blocks=2, heads=4, experts=4)

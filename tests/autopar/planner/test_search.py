@@ -147,7 +147,7 @@ def moe_at():
 
 @pytest.mark.parametrize(("gpn", "nodes", "cap_mib"), [(4, 1, None), (2, 2, None), (4, 2, None), (4, 1, 1.5)])
 def test_planner_optimum_with_experts_equals_brute_force(moe_at, gpn, nodes, cap_mib) -> None:
-    """ep searched with the other knobs (every ep dividing dp and the 4 experts, at tp = 1)."""
+    """ep searched with the other knobs (every ep dividing dp and the 4 experts, at any tp)."""
     cluster = Cluster.preset("dgx-a100-80g", nodes=nodes, gpus_per_node=gpn)
     c = Constraints(
         memory_cap_bytes=cap_mib * 2**20 if cap_mib else None,
