@@ -19,6 +19,10 @@ class ModelSpecError(AutoparError):
     """A MODEL argument (zoo name, ``file.py:factory``, ``pkg.mod:factory``) is invalid."""
 
 
+class StrategyError(AutoparError):
+    """A strategy violates a constraint (the message names it)."""
+
+
 class CaptureError(AutoparError):
     """The model cannot be captured into a graph (names the module and source line)."""
 

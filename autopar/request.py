@@ -14,14 +14,13 @@ from autopar.errors import AutoparError
 if TYPE_CHECKING:
     from torch import nn
 
+from autopar.recompute_policy import ALLOWED_RECOMPUTE, is_recompute_name
 from autopar.strategy import (
-    ALLOWED_RECOMPUTE,
     COMPILE,
     DTYPES,
     GRAD_REDUCE,
     SCHEDULES,
     TP_OBJECTIVES,
-    is_recompute_name,
 )
 
 

@@ -20,7 +20,8 @@ from autopar.cluster import Cluster
 from autopar.cost_models import closed_forms
 from autopar.cost_models.estimate import Estimate
 from autopar.planner import ModelProfiles, Pricer
-from autopar.strategy import RecomputePolicy, Strategy
+from autopar.recompute_policy import RecomputePolicy
+from autopar.strategy import Strategy
 from autopar.zoo.gpt import GPT, GPTConfig
 
 

@@ -21,7 +21,7 @@ from torch import fx, nn
 
 from autopar.graph.dispatch import op_name
 from autopar.passes.pipeline_split import is_attention, outline_attention
-from autopar.strategy import RecomputePolicy
+from autopar.recompute_policy import RecomputePolicy
 
 
 def has_submodule(module: nn.Module, path: str) -> bool:

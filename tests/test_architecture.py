@@ -22,6 +22,7 @@ LAYERS = [
         "autopar.spec_fields",
         "autopar.measurements",
         "autopar.cluster",
+        "autopar.recompute_policy",
         "autopar.strategy",
     ),
     ("autopar.plan", "autopar.request"),

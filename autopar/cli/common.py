@@ -13,14 +13,13 @@ from rich.console import Console
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.recompute_policy import ALLOWED_RECOMPUTE, is_recompute_name
 from autopar.request import Constraints
 from autopar.strategy import (
-    ALLOWED_RECOMPUTE,
     COMPILE,
     GRAD_REDUCE,
     SCHEDULES,
     TP_OBJECTIVES,
-    is_recompute_name,
 )
 
 MODEL_HELP = "zoo name, path/to/file.py:factory or pkg.mod:factory"

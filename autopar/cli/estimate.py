@@ -27,7 +27,8 @@ from autopar.cli.common import (
     print_json,
     progress,
 )
-from autopar.strategy import DDP_BUCKET_MB, RECOMPUTE, SAC, SCHEDULES, TP_OBJECTIVES, is_recompute_name
+from autopar.recompute_policy import RECOMPUTE, SAC, is_recompute_name
+from autopar.strategy import DDP_BUCKET_MB, SCHEDULES, TP_OBJECTIVES
 from autopar.units import format_bytes, format_si
 
 

@@ -12,7 +12,8 @@ from autopar.cost_models.terms import Terms, Units, build_terms, layer_units
 from autopar.planner.profiles import ModelProfiles
 from autopar.planner.recompute_ilp import frontier
 from autopar.planner.tp_layouts import TPLayouts
-from autopar.strategy import RecomputePolicy, Strategy
+from autopar.recompute_policy import RecomputePolicy
+from autopar.strategy import Strategy
 
 
 class Pricer:

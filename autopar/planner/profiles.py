@@ -1,7 +1,7 @@
 """A model's cost profiles at every micro-batch size, from two captures.
 
 ``ModelProfiles.of(model, dtype=, seq=)`` captures the model on fake tensors at micro-batch 1
-and 2 and extends them exactly to any other size (``cost_models.profile.at_micro_batch``:
+and 2 and extends them exactly to any other size (``cost_models.micro_batch.at_micro_batch``:
 every quantity is affine in the micro-batch). ``captured(b)`` is the graph captured at exactly
 b, for the per-operator TP table of the final plan (shape constants in the graph depend on b).
 """
@@ -13,7 +13,8 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from autopar import cache
-from autopar.cost_models.profile import ModelProfile, at_micro_batch
+from autopar.cost_models.micro_batch import at_micro_batch
+from autopar.cost_models.profile import ModelProfile
 
 if TYPE_CHECKING:
     from torch import nn

@@ -27,7 +27,7 @@ from autopar.cost_models.profile import ModelProfile
 from autopar.cost_models.recompute import call_time_s, kept_bytes, recompute_s
 from autopar.errors import AutoparError
 from autopar.planner.solver import mip_solver, solve
-from autopar.strategy import RECOMPUTE, SAC, RecomputePolicy
+from autopar.recompute_policy import RECOMPUTE, SAC, RecomputePolicy
 
 BUDGETS = (0.125, 0.25, 0.5, 0.75)
 """Kept bytes beyond the block's input, as shares of what no recompute keeps beyond it."""

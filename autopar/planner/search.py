@@ -42,8 +42,9 @@ from autopar.planner.comm_knobs import comm_knobs
 from autopar.planner.layout_ilp import fits_somehow, solve_layout
 from autopar.planner.pricing import Pricer
 from autopar.planner.recompute_ilp import recompute_choices
+from autopar.recompute_policy import RECOMPUTE, RecomputePolicy
 from autopar.request import Constraints, PlanRequest
-from autopar.strategy import RECOMPUTE, V_SHAPE, RecomputePolicy, Strategy, remat, runs_with_zero
+from autopar.strategy import V_SHAPE, Strategy, remat, runs_with_zero
 
 
 @dataclass(frozen=True, kw_only=True)

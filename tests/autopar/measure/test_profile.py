@@ -96,7 +96,8 @@ def _check_call_bytes(prof, block, model) -> None:
     cluster prices a per-operator policy with them (its activations: input + the kept calls)."""
     from autopar import Cluster
     from autopar.cost_models.terms import layer_units
-    from autopar.strategy import RecomputePolicy, Strategy
+    from autopar.recompute_policy import RecomputePolicy
+    from autopar.strategy import Strategy
 
     timing = next(t for t in prof.layers if (t.layer_type, t.micro_batch, t.tp) == ("Block", 2, 1))
     calls = dict(timing.call_bytes)

@@ -15,7 +15,7 @@ from autopar.cost_models.profile import CallCost, LayerCost, ModelProfile
 from autopar.cost_models.recompute import call_time_s, kept_bytes, recompute_s
 from autopar.planner import ModelProfiles, make_plan
 from autopar.planner.recompute_ilp import BUDGETS, _knapsack, frontier, recompute_choices
-from autopar.strategy import RECOMPUTE, RecomputePolicy
+from autopar.recompute_policy import RECOMPUTE, RecomputePolicy
 from autopar.zoo import Llama, LlamaConfig
 
 CLUSTER = Cluster.preset("dgx-h100")

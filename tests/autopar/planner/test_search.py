@@ -18,7 +18,8 @@ from autopar.planner.layout_ilp import MIP_GAP
 from autopar.planner.recompute_ilp import frontier, recompute_choices
 from autopar.planner.search import outer_strategies
 from autopar.planner.tp_layouts import TPLayouts
-from autopar.strategy import RECOMPUTE, SCHEDULES, Strategy
+from autopar.recompute_policy import RECOMPUTE
+from autopar.strategy import SCHEDULES, Strategy
 from autopar.zoo import GPT, GPTConfig
 
 LAYERS, SEQ = 4, 128
