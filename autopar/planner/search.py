@@ -31,7 +31,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from autopar.cluster import Cluster
@@ -306,19 +306,41 @@ def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = Non
 def _priced(
     pricer: Pricer, strategies: list[Strategy], capacity: float, allowed: tuple[str, ...], progress: Progress
 ) -> tuple[list[tuple[float, Strategy, Terms]], list[Strategy]]:
-    """Each outer choice's terms and cheap lower bound, and those no layout fits (apart)."""
+    """Each outer choice's terms and cheap lower bound, and those no layout fits (apart).
+
+    Widest ep first: a rank's memory never grows with ep (its routed experts' weights are
+    1/ep of them, their gradients and optimizer states 1/dp under ZeRO, as at ep 1;
+    ``rank_load.rank_memory_terms``), so where no layout fits at ep, none fits at a smaller
+    ep with every other knob the same, and those are not priced (DeepSeek-V3 on 2,048 GPUs:
+    most of its ~55,000 outer choices hold too many experts per GPU).
+    """
     blocks = pricer.profiles.base.blocks
     infeasible: list[Strategy] = []
-    bounded = []
-    for i, st in enumerate(strategies):
-        progress(i, len(strategies), PRICING)
+    bounded: dict[int, tuple[float, Strategy, Terms]] = {}
+    crowded: set[tuple[Any, ...]] = set()  # knobs but ep of a choice no layout fits
+    order = sorted(range(len(strategies)), key=lambda i: -strategies[i].ep)
+    for done, i in enumerate(order):
+        progress(done, len(strategies), PRICING)
+        st = strategies[i]
+        key = _but_ep(st)
+        if key in crowded:
+            continue  # a wider ep of it fits nothing: neither does this one
         terms = pricer.terms(st)
         if not fits_somehow(terms, blocks, capacity, allowed):
             infeasible.append(st)
+            crowded.add(key)
             continue
-        bounded.append((lower_bound_s(terms, blocks, capacity, allowed), st, terms))
+        bounded[i] = (lower_bound_s(terms, blocks, capacity, allowed), st, terms)
     progress(len(strategies), len(strategies), PRICING)
-    return bounded, infeasible
+    return [bounded[i] for i in sorted(bounded)], infeasible
+
+
+_BUT_EP = tuple(f.name for f in fields(Strategy) if f.name != "ep")
+
+
+def _but_ep(st: Strategy) -> tuple[Any, ...]:
+    """Every knob of ``st`` but its ep."""
+    return tuple(getattr(st, name) for name in _BUT_EP)
 
 
 def _candidates(request: PlanRequest, pricer: Pricer) -> tuple[tuple[str, ...], list[Strategy]]:
