@@ -193,6 +193,8 @@ def _build_chunk(
     for n in nodes:
         if n in members:
             env[n] = graph.node_copy(n, lambda x: env[x])
+            if n.op == "call_module":  # a module the graph calls (an expert counter)
+                copy_attr(root, gm, str(n.target))
     if c == len(live):
         out = next(n for n in nodes if n.op == "output")
         graph.output(fx.map_arg(out.args[0], lambda x: env[x]))
@@ -279,6 +281,10 @@ def _subgraph(
                 env[i].meta = dict(i.meta)
                 copy_attr(root, gm, str(i.target), rel)
         env[n] = graph.node_copy(n, lambda x: env[x])
+        if n.op == "call_module":  # a module the graph calls (an expert counter) moves in too
+            target = str(n.target)
+            env[n].target = target[len(prefix) :] if target.startswith(prefix) else target
+            copy_attr(root, gm, target, str(env[n].target))
     _single_or_tuple(graph, [env[o] for o in outs])
     return graph_module(root, graph, "Layer"), ins, outs
 

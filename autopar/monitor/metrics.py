@@ -13,6 +13,8 @@ the loss's all-reduce, so every rank has finished the step) and the plan's predi
 - TFLOP/s per GPU and MFU: the plan's predicted figures × predicted step / measured step (the
   plan counts the model FLOPs once, from the captured graph: ``Plan.predicted``);
 - the gradient norm, when ``train_step`` got ``max_grad_norm`` (``ParallelModel.last_grad_norm``);
+- a MoE model's expert load, when the step counted it (``ParallelModel.last_expert_load``): the
+  busiest expert's rows over the mean in the worst layer, the fraction of rows dropped;
 - measured / predicted step time; peak memory of this rank (CUDA allocator peak on a GPU, peak
   RSS on the CPU) against its stage's predicted peak.
 
@@ -52,6 +54,19 @@ def peak_memory_bytes() -> float:
     if torch.cuda.is_available():
         return float(torch.cuda.max_memory_allocated())
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
+
+
+def expert_figures(loads: dict[str, Any]) -> dict[str, float]:
+    """The step's MoE load (``runtime.expert_load.ExpertLoad`` per layer): the worst layer's
+    imbalance and the fraction of routed rows dropped over capacity; none without counts."""
+    if not loads:
+        return {}
+    routed = sum(sum(load.routed) for load in loads.values())
+    dropped = sum(sum(load.dropped) for load in loads.values())
+    return {
+        "expert_imbalance": max(load.imbalance for load in loads.values()),
+        "expert_dropped_frac": dropped / max(1, routed),
+    }
 
 
 def stage_of_rank(pm: Any) -> int:
@@ -114,6 +129,7 @@ class Metrics:
         grad_norm = {} if self.pm.last_grad_norm is None else {"grad_norm": float(self.pm.last_grad_norm)}
         return {
             **grad_norm,
+            **expert_figures(getattr(self.pm, "last_expert_load", {})),
             "loss": float(loss),
             "step_time_s": measured,
             "predicted_step_time_s": predicted,

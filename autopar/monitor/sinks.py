@@ -29,10 +29,12 @@ GAUGES = (
     "memory_over_predicted",
 )
 """The per-step figures every sink gets (rank 0's)."""
-OPTIONAL_GAUGES = ("grad_norm", "collective_s", "predicted_comm_s")
+OPTIONAL_GAUGES = ("grad_norm", "collective_s", "predicted_comm_s", "expert_imbalance", "expert_dropped_frac")
 """Figures a step has only when measured: ``grad_norm`` when ``train_step`` got
 ``max_grad_norm``; ``collective_s`` and ``predicted_comm_s`` on the steps profiled
-(``Metrics(collectives_every=N)``)."""
+(``Metrics(collectives_every=N)``); ``expert_imbalance`` (the busiest expert's rows over the
+mean, worst MoE layer) and ``expert_dropped_frac`` (routed rows dropped over capacity) when the
+step counted its experts' rows (``ParallelModel.last_expert_load``)."""
 
 _MISSING = "metrics for {what} need the {package} package: pip install 'autopar[monitor]'"
 

@@ -48,10 +48,10 @@ from autopar.runtime.sharding import (
     loss_scaler,
     make_mesh,
 )
-from autopar.runtime.state import fqn
 from autopar.runtime.steps import (
     apply_capture,
     apply_compile,
+    apply_expert_load,
     apply_expert_parallel,
     apply_loss_split,
     apply_outline_blocks,
@@ -60,6 +60,7 @@ from autopar.runtime.steps import (
     apply_tensor_parallel,
     apply_tied_groups,
     graph_objective,
+    rebind_tied,
     tied_names,
 )
 
@@ -92,6 +93,7 @@ def parallelize(
         agree_on_rng(mesh["tp"].get_group())  # replicated activations draw the same dropout masks
     objective = graph_objective(stages := apply_capture(model, plan), objective)
     apply_tensor_parallel(stages, plan, mesh["tp"])
+    apply_expert_load(stages)
     apply_expert_parallel(stages, plan, mesh)
     apply_loss_split(stages, plan, objective)
     apply_pipeline_split(stages, plan, mesh)
@@ -106,9 +108,7 @@ def parallelize(
     loss_fn = tail_loss(stages.loss_graph, stages.loss_kept) if stages.loss_graph is not None else loss_fn
     loss_fn = whole_logits(loss_fn) if st.tp > 1 else loss_fn
     schedule = apply_schedule(stages, plan, mesh, loss_fn)
-    params = {fqn(n): p for s in stages.ordered for n, p in s.named_parameters()}
-    for shared in tied:  # the parameters as FSDP2 left them
-        shared.params = [params[n] for n in shared.names]
+    params = rebind_tied(stages, tied)  # the parameters as FSDP2 left them
     return ParallelModel(
         stages=stages.ordered,
         optimizer=optimizer,
@@ -123,6 +123,7 @@ def parallelize(
         tied=tied,
         aliases=aliases,
         needs_weights=on_meta,
+        counted=stages.counted,
     )
 
 

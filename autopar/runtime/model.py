@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 from autopar.graph.objective import LOGITS, Objective
+from autopar.passes.expert_load import CountedLayer
 from autopar.plan import Plan
 from autopar.runtime.distributed import (
     agree_on_batch,
@@ -21,6 +23,14 @@ from autopar.runtime.distributed import (
     local_device,
     peer_failures,
     reduce_partial_grads,
+)
+from autopar.runtime.expert_load import (
+    ExpertLoad,
+    count_buffers,
+    overflow_warning,
+    packed_counts,
+    unpack_loads,
+    zero_counts,
 )
 from autopar.runtime.grad_norm import clip_grads_, grad_norm
 from autopar.runtime.loss import LossFn
@@ -79,6 +89,16 @@ class ParallelModel:
     last_grad_norm: float | None = None
     """The whole model's gradient norm in the last ``train_step`` given ``max_grad_norm`` (before
     clipping; None otherwise)."""
+    counted: list[CountedLayer] = field(default_factory=list)
+    """The MoE layers whose routed rows are counted (``passes.expert_load``; a captured model)."""
+    last_expert_load: dict[str, ExpertLoad] = field(default_factory=dict)
+    """Each counted MoE layer's rows per expert in the last ``train_step`` or ``eval_step``,
+    summed over its micro-batches and data-parallel ranks, by the experts' module path (every
+    rank has them); empty for a model that runs as written (tp = pp = ep = 1) and on a
+    pipeline's first step (``_start_counting``)."""
+    _counts: list[torch.Tensor | None] = field(default_factory=list, init=False, repr=False)
+    _step_tokens: int = field(default=0, init=False, repr=False)
+    _started: set[str] = field(default_factory=set, init=False, repr=False)
 
     @property
     def module(self) -> nn.Module:
@@ -111,13 +131,34 @@ class ParallelModel:
     def mean_loss(self, losses: list[torch.Tensor]) -> float:
         """The mean loss over all data-parallel replicas (each rank holding the last stage adds
         its micro-batches' mean; the dp·tp of them divide)."""
-        st = self.plan.strategy
-        total = torch.zeros((), dtype=torch.float64, device=local_device())  # NCCL: device tensors
+        st, dev = self.plan.strategy, local_device()  # NCCL: device tensors
+        total = torch.zeros((), dtype=torch.float64, device=dev)
         for loss in losses:
             total += loss.detach().double()
         mean = total / max(1, len(losses))
-        dist.all_reduce(mean)  # SUM: gloo has no AVG
-        return float(mean) / (st.dp * st.tp)
+        # the step's expert counts ride on the same all-reduce (runtime.expert_load)
+        both = torch.cat([mean.reshape(1), packed_counts(self._counts, self.counted, dev)])
+        dist.all_reduce(both)  # SUM: gloo has no AVG
+        if self._step_tokens:
+            self.last_expert_load = unpack_loads(both[1:], self.counted, tokens=self._step_tokens)
+            if dist.get_rank() == 0 and (dropped := overflow_warning(self.last_expert_load)):
+                warnings.warn(dropped, stacklevel=3)
+        return float(both[0]) / (st.dp * st.tp)
+
+    def _start_counting(self, batch: torch.Tensor, kind: str) -> None:
+        """Zero the expert counts before a step's first micro-batch (``runtime.expert_load``).
+        Not on a pipeline's first step of each ``kind`` (train, eval): torch's schedule runs an
+        extra forward of each stage then, to infer the shapes it sends (its inputs beyond the
+        first stage are not the step's), so that step has no counts."""
+        first = self.plan.strategy.pp > 1 and kind not in self._started
+        self._started.add(kind)
+        self._step_tokens = (
+            0 if first or not self.counted else batch.shape[0] * batch.shape[1] * self.plan.strategy.dp
+        )
+        self.last_expert_load = {}
+        if self.counted:
+            self._counts = self._counts or count_buffers(self.stages, self.counted)
+            zero_counts(self._counts)
 
     def _check_weights(self) -> None:
         if self.needs_weights:
@@ -148,6 +189,7 @@ class ParallelModel:
         losses. ``full_grads`` can read the gradients now, before ``step`` applies them."""
         self._check_weights()
         agree_on_batch(batch, self.plan.strategy)
+        self._start_counting(batch, "train")
         losses = self.schedule.step(self, batch)
         reduce_partial_grads(self.partial_grads, self.tp_group)
         for tied in self.tied:  # embedding and head gradients of a tied weight add up
@@ -204,6 +246,7 @@ class ParallelModel:
     def eval_step(self, batch: torch.Tensor) -> float:
         """Mean loss of this replica's batch over all ranks, without gradients or updates."""
         self._check_weights()
+        self._start_counting(batch, "eval")
         return self.mean_loss(self.schedule.eval(self, batch))
 
     def _optimizer_aliases(self, optim: dict[str, Any]) -> dict[str, Any]:

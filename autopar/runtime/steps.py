@@ -19,11 +19,13 @@ from autopar.graph import CapturedModel
 from autopar.graph.meta import capture_as
 from autopar.graph.objective import Objective
 from autopar.passes.compile import compile_blocks
+from autopar.passes.expert_load import CountedLayer, count_expert_load
 from autopar.passes.expert_parallel import EXPERTS, expert_parallel, outline_experts
 from autopar.passes.loss_split import split_loss
 from autopar.passes.pipeline_split import fill_layers, install, outline_blocks, split_stages, stage_chunks
 from autopar.passes.recompute import has_submodule, recompute
 from autopar.plan import Plan
+from autopar.runtime.state import fqn
 
 
 @dataclass
@@ -52,6 +54,8 @@ class Stages:
     experts: list[str] = field(default_factory=list)
     """ep > 1: the module paths of this rank's routed experts (outlined; FSDP2 shards each over
     the data-parallel ranks holding the same experts)."""
+    counted: list[CountedLayer] = field(default_factory=list)
+    """A captured model's MoE layers whose rows are counted (``passes.expert_load``)."""
 
     @property
     def count(self) -> int:
@@ -113,6 +117,13 @@ def apply_expert_parallel(stages: Stages, plan: Plan, mesh: Any) -> None:
     back by all-to-all (``passes.expert_parallel``)."""
     if plan.strategy.ep > 1 and stages.gm is not None:
         stages.gm = expert_parallel(stages.gm, mesh["ep", "tp"] if plan.strategy.tp > 1 else mesh["ep"])
+
+
+def apply_expert_load(stages: Stages) -> None:
+    """A captured model: count each MoE layer's routed and computed rows per expert
+    (``passes.expert_load``; ``ParallelModel.last_expert_load`` reads them each step)."""
+    if stages.gm is not None:
+        stages.gm, stages.counted = count_expert_load(stages.gm)
 
 
 def apply_loss_split(stages: Stages, plan: Plan, objective: Objective) -> None:
@@ -247,6 +258,15 @@ def apply_tied_groups(stages: Stages, plan: Plan, mesh: Any) -> list[TiedGroup]:
     return groups
 
 
+def rebind_tied(stages: Stages, tied: list[TiedGroup]) -> dict[str, nn.Parameter]:
+    """This rank's parameters by model name, as data parallelism left them (FSDP2 replaces them
+    with DTensors), and each tied group pointed at them."""
+    params = {fqn(n): p for s in stages.ordered for n, p in s.named_parameters()}
+    for shared in tied:
+        shared.params = [params[n] for n in shared.names]
+    return params
+
+
 def tied_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Each name of a parameter the model holds under several names → all of them."""
     groups: dict[int, list[str]] = {}
@@ -266,6 +286,7 @@ __all__ = [
     "apply_tensor_parallel",
     "apply_tied_groups",
     "capture_graph",
+    "rebind_tied",
     "shared_params",
     "tied_names",
 ]
