@@ -171,6 +171,30 @@ def test_planner_optimum_with_experts_equals_brute_force(moe_at, gpn, nodes, cap
     assert eps == {e for e in (1, 2, 4) if (gpn * nodes) % e == 0}
 
 
+@pytest.mark.parametrize("cap_mib", [1.0, 1.5, 3.0])
+def test_no_layout_fits_a_smaller_ep_where_none_fits_a_wider_one(moe_at, cap_mib) -> None:
+    """What lets the search skip pricing smaller eps (``search._priced``): with every other knob
+    the same, a rank's memory never grows with ep, so fitting is monotone in ep."""
+    from autopar.planner.layout_ilp import fits_somehow
+    from autopar.planner.pricing import Pricer
+    from autopar.planner.search import _but_ep
+
+    cluster = Cluster.preset("dgx-a100-80g", nodes=2, gpus_per_node=4)
+    c = Constraints(memory_cap_bytes=cap_mib * 2**20, reserve_bytes=0.0, max_micro_batch=2)
+    request = PlanRequest(model="tiny", cluster=cluster, global_batch=8, seq=16, constraints=c)
+    pricer = Pricer(moe_at, cluster, dtype="bf16", reserve_bytes=0.0)
+    siblings: dict[tuple, dict[int, bool]] = {}
+    for st in outer_strategies(request, blocks=2, heads=4, experts=4):
+        for v in pricer.layouts.variants(st):
+            fits = fits_somehow(pricer.terms(v), 2, request.capacity_bytes, ("none", "full"))
+            siblings.setdefault(_but_ep(v), {})[v.ep] = fits
+    both = [fit for fit in siblings.values() if len(fit) > 1]
+    assert both and any(not all(f.values()) for f in both) and any(any(f.values()) for f in both)
+    for fit in both:
+        eps = sorted(fit)
+        assert all(fit[wide] or not fit[narrow] for narrow, wide in itertools.pairwise(eps)), fit
+
+
 def test_ep_on_a_dense_model_is_one_line_naming_it(profile_at) -> None:
     cluster = Cluster.preset("dgx-a100-80g", nodes=1, gpus_per_node=4)
     with pytest.raises(InfeasibleError, match="--ep 2 splits each MoE layer's routed experts"):
