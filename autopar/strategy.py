@@ -238,7 +238,7 @@ class Strategy:
             virtual_stages = 2 if knobs.get("schedule") in MULTI_CHUNK else 1
         return cls(dp=dp, virtual_stages=virtual_stages, **knobs)
 
-    @property
+    @cached_property
     def choices(self) -> tuple[str, ...]:
         """The recompute choices a layout counts: none, selective, full, then the policies."""
         return RECOMPUTE + tuple(p.name for p in self.policies)

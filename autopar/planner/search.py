@@ -31,7 +31,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.cluster import Cluster
@@ -161,8 +161,22 @@ def outer_strategies(
     """Every outer choice allowed by the model, the cluster and the constraints (each carrying
     the per-operator recompute ``policies`` its layout may use; ``experts``: routed experts per
     MoE layer, 0 for a dense model)."""
+    knobs = outer_knobs(request, blocks=blocks, heads=heads, policies=policies, experts=experts)
+    return [Strategy(**k) for k in knobs]
+
+
+def outer_knobs(
+    request: PlanRequest,
+    *,
+    blocks: int,
+    heads: int | None,
+    policies: tuple[RecomputePolicy, ...] = (),
+    experts: int = 0,
+) -> list[dict[str, Any]]:
+    """``outer_strategies`` as the keyword arguments of each (the search builds a ``Strategy``
+    only for the choices it prices), all with the same keys in the same order."""
     c = request.constraints
-    out: list[Strategy] = []
+    out: list[dict[str, Any]] = []
     for tp, pp, dp in _degrees(request, blocks, heads):
         per_replica = request.global_batch // dp
         # both where tp > 1: the per-operator layouts with and without SP issue different collectives
@@ -178,33 +192,26 @@ def outer_strategies(
             if b > c.max_micro_batch or per_replica % b:
                 continue
             schedules = _schedules(c, pp=pp, micro_batches=per_replica // b, blocks=blocks)
-            knobs = itertools.product(schedules, sps, zeros, compiles, eps)
-            for (schedule, v), sp, zero, compiled, ep in knobs:
+            for (schedule, v), sp, zero, compiled, ep in itertools.product(
+                schedules, sps, zeros, compiles, eps
+            ):
                 if (sp and tp == 1) or not runs_with_zero(schedule, zero):
                     continue
+                fixed: dict[str, Any] = {
+                    "tp": tp,
+                    "pp": pp,
+                    "dp": dp,
+                    "ep": ep,
+                    "expert_skew": c.expert_skew,
+                    "zero": zero,
+                }
+                fixed |= {"micro_batch": b, "global_batch": request.global_batch, "seq": request.seq}
+                fixed |= {"schedule": schedule, "virtual_stages": v, "sequence_parallel": sp}
+                fixed |= {"dtype": request.dtype, "tp_objective": c.tp_objective or "time"}
                 out.extend(
-                    Strategy(
-                        tp=tp,
-                        pp=pp,
-                        dp=dp,
-                        ep=ep,
-                        expert_skew=c.expert_skew,
-                        zero=zero,
-                        micro_batch=b,
-                        global_batch=request.global_batch,
-                        seq=request.seq,
-                        schedule=schedule,
-                        virtual_stages=v,
-                        sequence_parallel=sp,
-                        dtype=request.dtype,
-                        tp_objective=c.tp_objective or "time",
-                        grad_reduce=reduce,
-                        dp_replicate=replicas,
-                        powersgd_rank=rank,
-                        bucket_mb=bucket,
-                        compile=compiled,
-                        policies=policies,
-                    )
+                    fixed
+                    | {"grad_reduce": reduce, "dp_replicate": replicas, "powersgd_rank": rank}
+                    | {"bucket_mb": bucket, "compile": compiled, "policies": policies}
                     for reduce, replicas, rank, bucket in comm_knobs(
                         request, tp=tp, pp=pp, dp=dp, zero=zero, ep=ep
                     )
@@ -212,27 +219,27 @@ def outer_strategies(
     return measured_first(request.cluster, out)
 
 
-def measured_first(cluster: Cluster, strategies: list[Strategy]) -> list[Strategy]:
+def measured_first(cluster: Cluster, knobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """With a measured compute profile, only the micro-batch sizes and TP widths it measured:
     the roofline that prices the others is optimistic or pessimistic by an unknown factor, and
     the search would favour whichever it flatters. All of them when none was measured (a
     constraint fixed an unmeasured knob: the estimate then says the roofline was used)."""
     measured = cluster.compute_profile
     if measured is None:
-        return strategies
+        return knobs
     kept = [
-        s
-        for s in strategies
+        k
+        for k in knobs
         if measured.covers(
-            micro_batch=s.micro_batch,
-            seq=s.seq,
-            tp=s.tp,
-            sp=s.sequence_parallel,
-            dtype=s.dtype,
-            compiled=s.compile == "block",
+            micro_batch=k["micro_batch"],
+            seq=k["seq"],
+            tp=k["tp"],
+            sp=k["sequence_parallel"],
+            dtype=k["dtype"],
+            compiled=k["compile"] == "block",
         )
     ]
-    return kept or strategies
+    return kept or knobs
 
 
 Progress = Callable[[int, int, str], None]
@@ -257,8 +264,9 @@ def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = Non
     start = time.perf_counter()
     progress = progress or _quiet
     base, capacity = pricer.profiles.base, request.capacity_bytes
-    allowed, strategies = _candidates(request, pricer)
-    bounded, infeasible = _priced(pricer, strategies, capacity, allowed, progress)
+    allowed, knobs = _candidates(request, pricer)
+    lean = request.constraints.tp_objective is None  # fastest and leanest TP layouts
+    bounded, infeasible, outer = _priced(pricer, knobs, capacity, allowed, progress, lean=lean)
     found: list[Candidate] = []
     proven: list[float] = []
     ilps = visited = 0
@@ -297,65 +305,79 @@ def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = Non
     return SearchResult(
         found=found[: request.top_k + 1],
         ilps=ilps,
-        outer=len(strategies),
+        outer=outer,
         gap=gap,
         leanest=[] if found else _leanest(pricer, infeasible, allowed),
     )
 
 
 def _priced(
-    pricer: Pricer, strategies: list[Strategy], capacity: float, allowed: tuple[str, ...], progress: Progress
-) -> tuple[list[tuple[float, Strategy, Terms]], list[Strategy]]:
-    """Each outer choice's terms and cheap lower bound, and those no layout fits (apart).
+    pricer: Pricer,
+    knobs: list[dict[str, Any]],
+    capacity: float,
+    allowed: tuple[str, ...],
+    progress: Progress,
+    *,
+    lean: bool,
+) -> tuple[list[tuple[float, Strategy, Terms]], list[Strategy], int]:
+    """Each outer choice's terms and cheap lower bound, those no layout fits (apart), and how
+    many there were: each of ``knobs`` (``outer_knobs``) in its fastest TP layout and, with
+    ``lean``, also its leanest where that differs (``TPLayouts.variants``).
 
     Widest ep first: a rank's memory never grows with ep (its routed experts' weights are
     1/ep of them, their gradients and optimizer states 1/dp under ZeRO, as at ep 1;
     ``rank_load.rank_memory_terms``), so where no layout fits at ep, none fits at a smaller
-    ep with every other knob the same, and those are not priced (DeepSeek-V3 on 2,048 GPUs:
-    most of its ~55,000 outer choices hold too many experts per GPU).
+    ep with every other knob the same, and those are neither built nor priced (DeepSeek-V3 on
+    2,048 GPUs: 35,791 of its 54,904 outer choices).
     """
     blocks = pricer.profiles.base.blocks
     infeasible: list[Strategy] = []
-    bounded: dict[int, tuple[float, Strategy, Terms]] = {}
+    bounded: dict[tuple[int, int], tuple[float, Strategy, Terms]] = {}
     crowded: set[tuple[Any, ...]] = set()  # knobs but ep of a choice no layout fits
-    order = sorted(range(len(strategies)), key=lambda i: -strategies[i].ep)
-    for done, i in enumerate(order):
-        progress(done, len(strategies), PRICING)
-        st = strategies[i]
-        key = _but_ep(st)
-        if key in crowded:
-            continue  # a wider ep of it fits nothing: neither does this one
-        terms = pricer.terms(st)
-        if not fits_somehow(terms, blocks, capacity, allowed):
-            infeasible.append(st)
-            crowded.add(key)
-            continue
-        bounded[i] = (lower_bound_s(terms, blocks, capacity, allowed), st, terms)
-    progress(len(strategies), len(strategies), PRICING)
-    return [bounded[i] for i in sorted(bounded)], infeasible
+    total = 0
+    for done, i in enumerate(sorted(range(len(knobs)), key=lambda i: -knobs[i]["ep"])):
+        progress(done, len(knobs), PRICING)
+        twins = [knobs[i]]
+        if (
+            lean
+            and twins[0]["tp"] > 1
+            and twins[0]["tp_objective"] == "time"
+            and _lean_pays(pricer, twins[0])
+        ):
+            twins.append(twins[0] | {"tp_objective": "memory"})
+        total += len(twins)
+        for j, variant in enumerate(twins):
+            but_ep = tuple(v for name, v in variant.items() if name != "ep")
+            if but_ep in crowded:
+                continue  # a wider ep of it fits nothing: neither does this one
+            st = Strategy(**variant)
+            terms = pricer.terms(st)
+            if not fits_somehow(terms, blocks, capacity, allowed):
+                infeasible.append(st)
+                crowded.add(but_ep)
+                continue
+            bounded[i, j] = (lower_bound_s(terms, blocks, capacity, allowed), st, terms)
+    progress(len(knobs), len(knobs), PRICING)
+    return [bounded[k] for k in sorted(bounded)], infeasible, total
 
 
-_BUT_EP = tuple(f.name for f in fields(Strategy) if f.name != "ep")
+def _lean_pays(pricer: Pricer, knobs: dict[str, Any]) -> bool:
+    """``TPLayouts.lean_pays_for`` (a strategy built only the first time per TP width and SP)."""
+    known = pricer.layouts.lean_pays.get((knobs["tp"], knobs["sequence_parallel"]))
+    return known if known is not None else pricer.layouts.lean_pays_for(Strategy(**knobs))
 
 
-def _but_ep(st: Strategy) -> tuple[Any, ...]:
-    """Every knob of ``st`` but its ep."""
-    return tuple(getattr(st, name) for name in _BUT_EP)
-
-
-def _candidates(request: PlanRequest, pricer: Pricer) -> tuple[tuple[str, ...], list[Strategy]]:
+def _candidates(request: PlanRequest, pricer: Pricer) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
     """The recompute choices allowed (``sac``: the model's per-operator policies, which every
-    strategy then carries) and the outer strategies, in the fastest and the leanest TP layout
-    where the constraints leave it open."""
+    strategy then carries) and the outer choices' knobs (``_priced`` adds their leanest TP
+    layout where the constraints leave it open)."""
     c, base = request.constraints, pricer.profiles.base
     wants = any(r not in RECOMPUTE for r in c.recompute)  # per-operator policies allowed
     allowed, policies = recompute_choices(c.recompute, pricer.policies if wants else ())
-    strategies = outer_strategies(
+    knobs = outer_knobs(
         request, blocks=base.blocks, heads=base.heads, policies=policies, experts=base.experts
     )
-    if c.tp_objective is None:  # fastest and leanest TP layouts
-        strategies = [v for st in strategies for v in pricer.layouts.variants(st)]
-    return allowed, strategies
+    return allowed, knobs
 
 
 def _even_split(
@@ -417,4 +439,12 @@ def _leanest(
     return sorted(leanest, key=lambda x: x[0])
 
 
-__all__ = ["Candidate", "Progress", "SearchResult", "lower_bound_s", "outer_strategies", "search"]
+__all__ = [
+    "Candidate",
+    "Progress",
+    "SearchResult",
+    "lower_bound_s",
+    "outer_knobs",
+    "outer_strategies",
+    "search",
+]

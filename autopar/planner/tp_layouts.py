@@ -261,9 +261,12 @@ class TPLayouts:
         ``LEAN_GAIN`` fewer parameters per rank over the whole model (what the outer memory model
         sees of a layout; a smaller saving would double the search for nothing); a strategy
         already ``memory`` stays as it is."""
+        return [st, replace(st, tp_objective="memory")] if self.lean_pays_for(st) else [st]
+
+    def lean_pays_for(self, st: Strategy) -> bool:
+        """Whether ``variants`` gives ``st`` a leanest twin (solved once per TP width and SP)."""
         if st.tp == 1 or st.tp_objective != "time":
-            return [st]
-        lean = replace(st, tp_objective="memory")
+            return False
         key = (st.tp, st.sequence_parallel)
         if key not in self.lean_pays:
             types = self.profiles.base.layers  # every layer of the model by type
@@ -272,8 +275,9 @@ class TPLayouts:
                 assert layout is not None
                 return sum(layout[t].local_params for t in types)
 
+            lean = replace(st, tp_objective="memory")
             self.lean_pays[key] = kept(self(lean)) < (1 - LEAN_GAIN) * kept(self(st))
-        return [st, lean] if self.lean_pays[key] else [st]
+        return self.lean_pays[key]
 
 
 __all__ = [
