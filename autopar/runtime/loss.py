@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,21 +32,72 @@ def lm_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(flat, tokens[:, 1:].flatten())
 
 
+@dataclass(frozen=True)
+class RouterAuxLoss:
+    """A Hugging Face MoE model's training loss with ``output_router_logits=True``: next-token
+    cross-entropy of its logits plus ``coef`` × the load-balancing loss its forward returns
+    (``aux_loss``, Switch Transformer's, over every layer's router logits) — what the model's
+    own ``labels=`` loss adds (transformers' ``MixtralForCausalLM.forward``: ``loss +=
+    router_aux_loss_coef * aux_loss``). The output may be the model's (``.logits``,
+    ``.aux_loss``) or a captured graph's tuple (the scalar and the (…, seq, vocab) logits)."""
+
+    coef: float
+    vocab: int
+
+    def __call__(self, output: Any, tokens: torch.Tensor) -> torch.Tensor:
+        if hasattr(output, "aux_loss") and hasattr(output, "logits"):
+            logits, aux = output.logits, output.aux_loss
+        else:
+            parts = list(output) if isinstance(output, (tuple, list)) else [output]
+            found = [
+                x for x in parts if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[-1] == self.vocab
+            ]
+            auxes = [x for x in parts if isinstance(x, torch.Tensor) and x.dim() == 0]
+            if not found or not auxes:
+                raise AutoparError(
+                    f"the model's config asks for its router loss (output_router_logits) but it returned "
+                    f"{describe(output)}, without logits and a scalar aux_loss; pass loss_fn="
+                )
+            logits, aux = found[0], auxes[0]
+        return scalar(lm_loss(logits, tokens)) + self.coef * scalar(aux).to(torch.float32)
+
+
+def router_aux_loss(model: nn.Module) -> RouterAuxLoss | None:
+    """``RouterAuxLoss`` for a Hugging Face model whose config has ``output_router_logits`` set
+    (its coefficient ``router_aux_loss_coef``, as the model holds it); None otherwise."""
+    config: Any = getattr(model, "config", None)
+    hf = type(model).__module__.startswith("transformers.")
+    if not hf or not getattr(config, "output_router_logits", False):
+        return None
+    # the model keeps the coefficient it was built with (MixtralForCausalLM.router_aux_loss_coef)
+    coef = float(getattr(model, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", 0.0)))
+    return RouterAuxLoss(coef=coef, vocab=int(config.vocab_size))
+
+
 def own_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
     """The loss the model computed itself (``graph.objective.model_loss``)."""
     return model_loss(output)
 
 
-def resolve_objective(model: nn.Module, loss_fn: LossFn | None) -> tuple[Objective, LossFn]:
+def resolve_objective(model: nn.Module, loss_fn: LossFn | None, *, pp: int = 1) -> tuple[Objective, LossFn]:
     """How ``model`` is fed and its loss taken: ``loss_fn`` on its output for tokens alone where
-    one is given; else its own loss where it computes one (``objective_of``), else ``lm_loss``;
-    with ``use_cache=False`` where the forward takes it (``without_cache``)."""
+    one is given; else its own loss where it computes one (``objective_of``), else ``lm_loss``
+    (plus a Hugging Face MoE's router loss where its config asks for it: ``router_aux_loss``);
+    with ``use_cache=False`` where the forward takes it (``without_cache``). ``pp``: the plan's
+    pipeline depth (the router loss needs every layer's router logits on one rank)."""
     if loss_fn is not None:
         return without_cache(model, LOGITS), loss_fn
     objective = objective_of(model)
     if objective.own_loss:
         return without_cache(model, objective), own_loss
-    return without_cache(model, LOGITS), lm_loss
+    aux = router_aux_loss(model)
+    if aux is not None and pp > 1:
+        raise AutoparError(
+            f"{type(model).__name__}'s router loss (config.output_router_logits) sums every layer's router "
+            f"logits, which a pipeline holds on {pp} stages: set output_router_logits=False, pass "
+            "loss_fn=, or plan pp=1"
+        )
+    return without_cache(model, LOGITS), aux or lm_loss
 
 
 def tail_loss(loss_graph: nn.Module, kept: int) -> LossFn:
@@ -76,8 +128,8 @@ def whole_logits(loss_fn: LossFn) -> LossFn:
     """``loss_fn`` for tensor-parallel plans, whose logits may leave split over the vocabulary
     (DTensors): ``lm_loss`` computes on them vocab-parallel (under ``loss_parallel``); any other
     loss gets them gathered whole."""
-    if loss_fn is lm_loss or loss_fn is own_loss:  # (the model's own loss: computed in the graph)
-        return loss_fn
+    if loss_fn is lm_loss or loss_fn is own_loss or isinstance(loss_fn, RouterAuxLoss):
+        return loss_fn  # (own loss: computed in the graph; the router loss's logits: vocab-parallel)
 
     def gathered(output: Any, tokens: torch.Tensor) -> torch.Tensor:
         from torch.utils._pytree import tree_map
@@ -89,10 +141,12 @@ def whole_logits(loss_fn: LossFn) -> LossFn:
 
 __all__ = [
     "LossFn",
+    "RouterAuxLoss",
     "lm_loss",
     "loss_of",
     "own_loss",
     "resolve_objective",
+    "router_aux_loss",
     "scalar",
     "tail_loss",
     "whole_logits",
