@@ -28,7 +28,9 @@ def model_state_bytes(params: float, *, zero: int, dp: int, dtype: str) -> dict[
     }
 
 
-def layer_activation_bytes(layer: LayerCost, *, tp: int, sp: bool, recompute: str, input_bytes: int) -> float:
+def layer_activation_bytes(
+    layer: LayerCost, *, tp: int, sp: bool, recompute: str, input_bytes: int, expert_skew: float = 1.0
+) -> float:
     """Bytes one layer keeps for backward per micro-batch on one GPU.
 
     Korthikanti et al. 2022: without parallelism sbh(34 + 5as/h) (Eq. 1); with
@@ -36,13 +38,15 @@ def layer_activation_bytes(layer: LayerCost, *, tp: int, sp: bool, recompute: st
     sbh(10 + 24/t + 5as/(ht))); with SP everything divides by t (Eq. 4);
     selective recompute drops the s² attention terms; full recompute keeps
     only the layer input, 2sbh (÷t with SP). Here the split comes from the
-    captured graph's saved tensors, not from the formula.
+    captured graph's saved tensors, not from the formula. A MoE layer's expert rows
+    (``LayerCost.saved_expert_bytes``) stay whole under TP and, under expert parallelism, the
+    busiest rank receives ``expert_skew`` × an even share of them (``experts.skew``).
     """
     if recompute == "full":
         return input_bytes / (tp if sp else 1)
     stream = layer.saved_stream_bytes / (tp if sp else 1)
     quadratic = 0 if recompute == "selective" else layer.saved_quadratic_bytes / tp
-    return stream + layer.saved_sharded_bytes / tp + quadratic
+    return stream + layer.saved_sharded_bytes / tp + quadratic + expert_skew * layer.saved_expert_bytes
 
 
 def inflight_stage_copies(schedule: str, *, stage: int, pp: int, micro_batches: int, virtual: int) -> float:

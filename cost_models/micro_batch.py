@@ -41,6 +41,7 @@ def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile
             saved_stream_bytes=lin(a.saved_stream_bytes, c.saved_stream_bytes),
             saved_sharded_bytes=lin(a.saved_sharded_bytes, c.saved_sharded_bytes),
             saved_quadratic_bytes=lin(a.saved_quadratic_bytes, c.saved_quadratic_bytes),
+            saved_expert_bytes=lin(a.saved_expert_bytes, c.saved_expert_bytes),
             quadratic_flops=lin(a.quadratic_flops, c.quadratic_flops),
             tp_reduce_bytes=lin(a.tp_reduce_bytes, c.tp_reduce_bytes),
             tp_reduce_count=a.tp_reduce_count,

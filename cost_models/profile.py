@@ -100,6 +100,10 @@ class LayerCost:
     """Routed experts of the layer's MoE (``graph.experts``); 0 for a dense layer."""
     expert_params: int = 0
     """Parameters of those experts (their stacked weights): what expert parallelism splits."""
+    saved_expert_bytes: int = 0
+    """Saved activations of the experts' rows (the nodes from the rows' first grouped matmuls to
+    the last, ``graph.experts.row_region``), apart from the three above: no TP rule splits them
+    (every TP rank runs the experts whole), and the busiest EP rank holds its skew × of them."""
     a2a_bytes: int = 0
     """Bytes of the rows entering the experts' first grouped matmul plus those leaving the last,
     per forward: what expert parallelism's dispatch and combine all-to-alls carry (k·b·s·h each
@@ -231,12 +235,13 @@ class ModelProfile:
         types: dict[str, LayerCost] = {}
         # each type's last layer: the first also saves what every block reads (rope tables, masks)
         last = {layer.type: layer for layer in cap.layers}
-        from autopar.graph.experts import expert_groups  # torch: imported when capturing
+        from autopar.graph.experts import expert_groups, row_region  # torch: imported when capturing
 
         groups = expert_groups(cap.gm)
+        rows = set().union(*(row_region(cap.gm, g) for g in groups)) if groups else set()
         for name, layer in last.items():
             members = [nodes[n] for n in layer.nodes]
-            types[name] = _layer_cost(name, members, h, s, layer.params, _experts(groups, members))
+            types[name] = _layer_cost(name, members, h, s, layer.params, _experts(groups, members), rows)
         out = next(n for n in cap.gm.graph.nodes if n.op == "output")
         head_out = [a for a in out.all_input_nodes if a.meta.get("autopar.shape")]
         vocab = int(head_out[0].meta["autopar.shape"][-1]) if head_out else h
@@ -283,9 +288,18 @@ def _experts(groups: list[ExpertGroup], members: list[fx.Node]) -> dict[str, int
 
 
 def _layer_cost(
-    name: str, members: list[fx.Node], h: int, s: int, params: int, experts: dict[str, int]
+    name: str,
+    members: list[fx.Node],
+    h: int,
+    s: int,
+    params: int,
+    experts: dict[str, int],
+    rows: set[fx.Node] | frozenset[fx.Node] = frozenset(),
 ) -> LayerCost:
+    """One layer type's costs; ``rows``: the graph's expert row regions (their saved bytes are
+    kept apart, ``LayerCost.saved_expert_bytes``)."""
     ops, stream_b, sharded_b, quad_b, quad_f, tp_bytes, tp_count = [], 0, 0, 0, 0, 0, 0
+    expert_b = 0
     placements: list[tuple[fx.Node, str]] = []
     for n in members:
         if n.op != "call_function":
@@ -307,7 +321,9 @@ def _layer_cost(
         # residual dropouts, and the inputs of column-parallel matmuls. A row-parallel
         # matmul's input is sharded, as are per-head tensors and the 4h MLP activations.
         for saved_shape, nbytes in n.meta.get("autopar.saved", ()):
-            if _is_square(saved_shape, s):
+            if n in rows:
+                expert_b += nbytes
+            elif _is_square(saved_shape, s):
                 quad_b += nbytes
             elif saved_shape and saved_shape[-1] in (h, 1) and not row_parallel:
                 stream_b += nbytes
@@ -322,6 +338,7 @@ def _layer_cost(
         saved_stream_bytes=stream_b,
         saved_sharded_bytes=sharded_b,
         saved_quadratic_bytes=quad_b,
+        saved_expert_bytes=expert_b,
         quadratic_flops=quad_f,
         tp_reduce_bytes=tp_bytes,
         tp_reduce_count=tp_count,

@@ -30,7 +30,14 @@ from autopar.cost_models.compute import (
     optimizer_s_per_param,
     weight_grad_s,
 )
-from autopar.cost_models.experts import ep_backward_s, ep_forward_s, ep_link, expert_factors, expert_skew_s
+from autopar.cost_models.experts import (
+    ep_backward_s,
+    ep_forward_s,
+    ep_link,
+    expert_factors,
+    expert_skew_s,
+    skew,
+)
 from autopar.cost_models.pipeline import bubble_rounds
 from autopar.cost_models.profile import LayerCost, ModelProfile
 from autopar.errors import AutoparError
@@ -326,7 +333,7 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
         expert_params=experts if st.ep > 1 else 0.0,
         act_bytes=act,
         act_full_bytes=mem.layer_activation_bytes(
-            lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes
+            lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes, expert_skew=skew(st)
         ),
         params=params,
         fwd_flops=float(lc.fwd_flops),
@@ -354,7 +361,9 @@ def _redone(
     policy = st.policy(choice)
     if policy is None:
         flops = {"none": 0.0, "selective": float(lc.quadratic_flops), "full": float(lc.fwd_flops)}[choice]
-        act = mem.layer_activation_bytes(lc, tp=t, sp=sp, recompute=choice, input_bytes=input_bytes)
+        act = mem.layer_activation_bytes(
+            lc, tp=t, sp=sp, recompute=choice, input_bytes=input_bytes, expert_skew=skew(st)
+        )
         return (fwd_s if choice == "full" else flops / t / ctx.rate), act, flops
     return rc.policy_costs(
         lc,

@@ -168,3 +168,33 @@ def test_tensor_parallelism_leaves_the_grouped_experts_whole() -> None:
     st = Strategy(tp=2, dp=2, micro_batch=2, global_batch=4, seq=SEQ, dtype="fp32")
     blocks, _, _ = layer_units(profile, cluster, st)
     assert blocks["none"].params == pytest.approx((lc.params - lc.expert_params) / 2 + lc.expert_params)
+
+
+def test_the_experts_rows_activations_stay_whole_under_tp_and_grow_with_the_skew() -> None:
+    """A MoE block's saved expert rows (``LayerCost.saved_expert_bytes``: the row region's, apart
+    from the stream / sharded / quadratic split) are not divided by TP, and the busiest EP rank
+    keeps skew × them; a dense block has none; the total at tp 1, skew 1 is every saved byte."""
+    from autopar.cost_models.memory import layer_activation_bytes
+    from autopar.cost_models.terms import layer_units
+
+    profile, cluster = _profile(), _cluster()
+    lc = profile.layer_types["MixtralDecoderLayer"]
+    rows = 2 * SEQ * 2  # b·s·top-k rows through the experts
+    assert lc.saved_expert_bytes >= rows * 64 * 4  # at least the rows entering them (fp32, h 64)
+    whole = lc.saved_stream_bytes + lc.saved_sharded_bytes + lc.saved_quadratic_bytes
+    act = functools.partial(layer_activation_bytes, lc, sp=False, recompute="none", input_bytes=0)
+    assert act(tp=1) == whole + lc.saved_expert_bytes
+    assert act(tp=2) == pytest.approx(
+        lc.saved_stream_bytes
+        + (lc.saved_sharded_bytes + lc.saved_quadratic_bytes) / 2
+        + lc.saved_expert_bytes
+    )
+    assert act(tp=1, expert_skew=1.5) - act(tp=1) == pytest.approx(0.5 * lc.saved_expert_bytes)
+    base = Strategy(dp=4, ep=2, zero=1, micro_batch=2, global_batch=8, seq=SEQ, dtype="fp32")
+    (u1, _, _), (u2, _, _) = (
+        layer_units(profile, cluster, s) for s in (base, replace(base, expert_skew=1.5))
+    )
+    assert u2["none"].act_bytes - u1["none"].act_bytes == pytest.approx(0.5 * lc.saved_expert_bytes)
+    with torch.device("meta"):
+        dense = ModelProfiles.of(hf.family("llama"), dtype="fp32", seq=SEQ).at(2)
+    assert all(t.saved_expert_bytes == 0 for t in dense.layer_types.values())
