@@ -123,12 +123,17 @@ def test_ep2_within_tp2_trains_like_one_process(tmp_path) -> None:
     """EP2 × TP2 on 4 ranks: attention split over tp (the memory objective splits every matmul
     it can), the experts split over ep and replicated over tp, each TP rank dispatching its copy
     of the rows within its own ep group; the zoo's Mixtral at ZeRO-1, Hugging Face's Mixtral at
-    ZeRO-3 with sequence parallelism. The all-to-alls of each rank as without TP."""
+    ZeRO-3 with sequence parallelism, and at ZeRO-1 with its own router loss
+    (``output_router_logits``: ``runtime.loss.RouterAuxLoss``). The all-to-alls of each rank as
+    without TP."""
+    from tests.autopar.runtime.test_router_loss import mixtral_with_router_loss as aux
+
     mixtral = functools.partial(hf.family, "mixtral")
     tp2 = {"tp": 2, "tp_objective": "memory", "recompute": ("none",)}
     cases = [
         (zoo_mixtral, _plan("zoo", make=zoo_mixtral, zero=1, **tp2), expect_all_to_alls),
         (mixtral, _plan("mixtral", zero=3, sequence_parallel=True, **tp2), expect_all_to_alls),
+        (aux, _plan("mixtral-aux", make=aux, zero=1, **tp2), None),  # its own router loss
     ]
     for _, plan, _ in cases:
         st = plan.strategy
