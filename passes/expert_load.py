@@ -1,12 +1,11 @@
 """Expert load: how many rows each MoE layer's router sends to each expert, and how many it keeps.
 
-Per layer (``graph.experts``), the pass inserts one ``autopar::count_expert_rows`` after the
-router: it adds, into a (2, E) int64 buffer of the graph, the (token, choice) pairs the router's
-top-k sent to each expert (a bincount of its indices) and how many of them it computes: no more
-than the rows the grouped matmuls' ``offs`` give it. Dropless, the two are equal; under a
-capacity (GShard/Switch: C rows per expert, padded) min(routed, C), and the difference is what
-was dropped.
-The runtime reads the buffers once a step (``ParallelModel.expert_load``).
+Per layer (``graph.experts``), the pass inserts one ``ExpertCounter`` call after the router: it
+adds, into the counter's (2, E) int64 buffer, the (token, choice) pairs the router's top-k sent
+to each expert (a bincount of its indices) and how many of them it computes: no more than the
+rows the grouped matmuls' ``offs`` give it. Dropless, the two are equal; under a capacity
+(GShard/Switch: C rows per expert, padded) min(routed, C), and the difference is what was
+dropped. The runtime reads the buffers once a step (``ParallelModel.last_expert_load``).
 
 The op counts nothing while a backward runs: a block recomputed by activation checkpointing
 routes the same tokens again, and they were counted in its forward.
@@ -17,6 +16,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import networkx as nx
 import torch
 from torch import fx, nn
 
@@ -78,14 +78,15 @@ class CountedLayer:
     """Experts each token is routed to (the router top-k's width)."""
 
 
-def router_choice(gm: fx.GraphModule, group: ExpertGroup) -> fx.Node | None:
-    """The indices output of the router's top-k that feeds the layer's rows: the last top-k
-    before the layer's first grouped matmul whose indices are (tokens, k) (DeepSeek-V3's
-    group-limited routing runs one over the groups first); None if there is none."""
-    up = upstream(digraph(gm.graph), [group.first])
+def router_choice(group: ExpertGroup, g: nx.DiGraph, topks: list[fx.Node]) -> fx.Node | None:
+    """The indices output of the router's top-k that feeds the layer's rows: the last of
+    ``topks`` (the graph's top-k nodes, in order; ``g`` its DAG) before the layer's first grouped
+    matmul whose indices are (tokens, k) (DeepSeek-V3's group-limited routing runs one over the
+    groups first); None if there is none."""
+    up = upstream(g, [group.first])
     found = None
-    for n in gm.graph.nodes:
-        if n in up and n.op == "call_function" and op_name(n.target) == "aten::topk":
+    for n in topks:
+        if n in up:
             for user in n.users:
                 val = user.meta.get("val")
                 is_indices = user.target is operator.getitem and user.args[1] == 1
@@ -99,9 +100,11 @@ def count_expert_load(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[CountedL
     doc); returns the graph and the layers counted, in graph order."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     device = next(iter([*gm.parameters(), *gm.buffers()]), torch.empty(0)).device
+    g = digraph(gm.graph)  # once: every layer's router is looked up in it
+    topks = [n for n in gm.graph.nodes if n.op == "call_function" and op_name(n.target) == "aten::topk"]
     counted = []
     for k, group in enumerate(expert_groups(gm)):
-        chosen = router_choice(gm, group)
+        chosen = router_choice(group, g, topks)
         if chosen is None:
             continue
         name = f"{COUNTER}_{k}"

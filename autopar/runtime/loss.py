@@ -59,7 +59,7 @@ class RouterAuxLoss:
                     f"{describe(output)}, without logits and a scalar aux_loss; pass loss_fn="
                 )
             logits, aux = found[0], auxes[0]
-        return scalar(lm_loss(logits, tokens)) + self.coef * scalar(aux).to(torch.float32)
+        return scalar(lm_loss(logits, tokens)) + self.coef * scalar(aux)  # promoted to the loss's dtype
 
 
 def router_aux_loss(model: nn.Module) -> RouterAuxLoss | None:
