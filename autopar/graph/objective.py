@@ -86,12 +86,17 @@ def objective_of(model: nn.Module) -> Objective:
 
 
 def without_cache(model: nn.Module, objective: Objective) -> Objective:
-    """``objective`` with ``no_cache`` where ``model.forward`` takes ``use_cache``."""
+    """``objective`` with ``no_cache`` where ``model.forward`` takes ``use_cache``: by name, or
+    through ``**kwargs`` where the model's config has it (a Hugging Face model that hands its
+    keywords on to the inner model, e.g. ``GraniteMoeForCausalLM``: without it the output holds
+    a ``DynamicCache`` that torch.export cannot return)."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # a forward without a signature
         return objective
-    return replace(objective, no_cache=True) if "use_cache" in params else objective
+    passes_on = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    takes = "use_cache" in params or (passes_on and hasattr(getattr(model, "config", None), "use_cache"))
+    return replace(objective, no_cache=True) if takes else objective
 
 
 def model_loss(output: Any) -> torch.Tensor:

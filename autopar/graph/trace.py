@@ -37,6 +37,7 @@ from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
 from autopar.errors import CaptureError
 from autopar.graph.canonical import canonical
+from autopar.graph.regions import inline_grad_regions
 
 MIN_BLOCKS_TO_DEDUPE = 5
 """Below this many blocks the whole model is traced (splicing saves little)."""
@@ -67,6 +68,7 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
             ep = torch.export.export(model, args, dict(kwargs), strict=False)
     except Exception as e:
         raise capture_error(model, e) from e
+    inline_grad_regions(ep.graph_module)  # no_grad regions: one flat graph
     return canonical(_to_graph_module(model, ep))
 
 

@@ -447,7 +447,7 @@ def verify_cases(
     keys: list[tuple[Callable[[], nn.Module], str, int | None]] = []  # per case: its reference
     for make_model, plan, hook in cases:
         if make_model not in random:
-            random[make_model] = draws_masks(make_model, resolve_loss(loss_spec), data[0, :1])
+            random[make_model] = draws_masks(make_model, resolve_loss(loss_spec), data[0])
             double[make_model] = float64_arithmetic(make_model, resolve_loss(loss_spec), data[0, :1])
         arithmetic = arithmetic_of(plan.strategy.dtype, double[make_model])
         make = functools.partial(model_for_check, make_model, arithmetic)

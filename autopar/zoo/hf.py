@@ -161,6 +161,16 @@ def _moe_families(gqa: dict[str, Any], width: int) -> dict[str, tuple[str, str, 
             "MixtralForCausalLM",
             {**gqa, "num_local_experts": 4, "num_experts_per_tok": 2},
         ),
+        "phimoe": (  # its router samples experts in training, under torch.no_grad()
+            "PhimoeConfig",
+            "PhimoeForCausalLM",
+            {**gqa, "num_local_experts": 4, "num_experts_per_tok": 2},
+        ),
+        "granitemoe": (  # its forward takes use_cache only through **kwargs
+            "GraniteMoeConfig",
+            "GraniteMoeForCausalLM",
+            {**gqa, "num_local_experts": 4, "num_experts_per_tok": 2},
+        ),
         "qwen2-moe": (
             "Qwen2MoeConfig",
             "Qwen2MoeForCausalLM",
@@ -178,10 +188,10 @@ def _moe_families(gqa: dict[str, Any], width: int) -> dict[str, tuple[str, str, 
 FAMILIES = (
     "gpt2", "llama", "llama-eager", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "falcon",
     "falcon-40b", "gpt-neox", "bloom", "opt", "gpt-bigcode", "olmo2", "stablelm", "phi", "gptj",
-    "mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3",
+    "mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "phimoe", "granitemoe",
 )  # fmt: skip
 """The causal-LM families ``family`` builds (the suite runs each through capture, DP, TP and PP)."""
-NO_FLOAT64 = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3")
+NO_FLOAT64 = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe", "deepseek-v3", "phimoe", "granitemoe")
 """Families with no float64 forward (``torch._grouped_mm`` takes float32 and half precision):
 their checks run in float32."""
 

@@ -295,3 +295,53 @@ def test_a_graph_its_fake_cpu_kernels_refuse_is_one_line() -> None:
     with pytest.raises(CaptureError, match=r"pricing its graph failed at %meta_only.*no CPU kernel") as e:
         capture(model, batch=1, seq=4)
     assert "\n" not in str(e.value)
+
+
+class NoGradScaleLM(nn.Module):
+    """Computes a scale of its stream under ``torch.no_grad()`` (as PhiMoE's router does), in
+    each block: the captured graph must compute it and pass no gradient back through it."""
+
+    def __init__(self, autocast: bool = False) -> None:
+        super().__init__()
+        self.autocast = autocast
+        self.emb = nn.Embedding(40, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.scales = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for blk, scale in zip(self.blocks, self.scales, strict=True):
+            if self.autocast:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    s = scale(x)
+            else:
+                with torch.no_grad():
+                    s = torch.sigmoid(scale(x))  # a float tensor leaving the region
+            x = x + blk(x) * s
+        return x
+
+
+def test_no_grad_regions_are_inlined_and_pass_no_gradient() -> None:
+    torch.manual_seed(0)
+    model = NoGradScaleLM().double()
+    idx = torch.randint(0, 40, (3, 7))
+    cap = capture(model, batch=3, seq=7)
+    assert not any("wrap_with" in str(n.target) for n in cap.gm.graph.nodes)
+    ours = cap.gm(idx)
+    ours.square().sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    theirs = model(idx)
+    theirs.square().sum().backward()
+    assert torch.equal(ours, theirs)
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == set(grads)
+    assert not any(name.startswith("scales.") for name in grads)  # no gradient through the region
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_an_autocast_region_is_refused_in_one_line() -> None:
+    with pytest.raises(CaptureError, match=r"torch\.autocast") as info:
+        capture(NoGradScaleLM(autocast=True), batch=1, seq=4)
+    assert "\n" not in str(info.value)

@@ -31,13 +31,16 @@ nanogpt = functools.partial(build_model, f"{Path(__file__).with_name('nanogpt.py
 STEPS, BATCH, SEQ = 2, 4, 16
 
 SWEPT = tuple(
-    f for f in hf.FAMILIES if f not in ("llama", "qwen2", "stablelm", "phi", "gptj", "qwen3-moe", "olmoe")
+    f
+    for f in hf.FAMILIES
+    if f not in ("llama", "qwen2", "stablelm", "phi", "gptj", "qwen3-moe", "olmoe", "phimoe", "granitemoe")
 )  # fmt: skip
 """The families trained here: 17 configurations of 16 families, every attention form the zoo
 has, and routed experts (Mixtral, Qwen2-MoE, DeepSeek-V3's latent attention: judged in float32,
-``hf.NO_FLOAT64``); the seven left out repeat Llama's, GPT-J's or Qwen2-MoE's forms (Llama with
+``hf.NO_FLOAT64``); the nine left out repeat Llama's, GPT-J's, Qwen2-MoE's or Mixtral's forms (Llama with
 SDPA and GPT-2 are trained under TP and PP in ``passes/test_tensor_parallel.py`` and
-``test_pipeline.py``). All 24 are captured."""
+``test_pipeline.py``). All 26 are captured (PhiMoE's no_grad router, GraniteMoE's
+``use_cache`` through ``**kwargs``)."""
 
 PLANS = {
     "dp2-zero3": dict(tp=1, pp=1, dp=2, zero=3),
