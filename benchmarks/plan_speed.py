@@ -7,7 +7,8 @@ Wall targets (issue 23), medians of ``--runs`` fresh processes: the README's ``a
 gpt3-175b --cluster dgx-a100-80g --nodes 128 --global-batch 1536`` ≤ 3 s and Llama-3 405B on
 2048× dgx-h100 (16384 GPUs), global batch 2048, seq 8192 ≤ 5 s with the capture cache warm
 (``autopar.cache``: one run before, in a folder of its own), and each ≤ 6 s cold (every run
-with an empty cache folder: torch imported, the model captured). Search targets, in one
+with an empty cache folder: torch imported, the model captured; the floor printed beside them is
+a bare ``import torch, torch._dynamo``). Search targets, in one
 process with the capture cached: 175B ≤ 2 s, 405B ≤ 5 s. Then the same 12288-wide GPT with 24,
 96 and 192 identical layers on 1024 A100s, to show the solve time follows the number of
 distinct layer types, not of layers. Exit status 1 if a target is missed.
@@ -122,6 +123,19 @@ def wall(model: str, flags: list[str], runs: int, *, warm: bool) -> float:
     return med
 
 
+def import_floor(runs: int) -> float:
+    """Median wall seconds of a fresh process that only imports torch and ``torch._dynamo``: what
+    every cold run pays before its first capture (``torch.export`` imports ``torch._dynamo``)."""
+    walls = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch, torch._dynamo"], check=True)
+        walls.append(time.perf_counter() - t0)
+    med = statistics.median(walls)
+    print(f"floor of a cold run: python + import torch, torch._dynamo: {med:.2f} s median of {runs}")
+    return med
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="processes / plans timed per case")
@@ -130,6 +144,7 @@ def main() -> int:
     if args.moe:
         here = os.path.dirname(os.path.abspath(__file__))
         warm = [wall(zoo, flags, args.runs, warm=True) for zoo, _, flags in MOE]
+        import_floor(args.runs)
         cold = [wall(zoo, flags, args.runs, warm=False) for zoo, _, flags in MOE]
         for _, factory, flags in MOE:
             wall(f"{here}/hf_moe.py:{factory}", flags, args.runs, warm=False)
@@ -139,6 +154,7 @@ def main() -> int:
             f"cold ≤ {COLD_S:g} s: {'met' if max(cold) <= COLD_S else 'MISSED'}"
         )
         return 0 if met else 1
+    import_floor(args.runs)
     ok = True
     for model, flags, target in WALL:
         ok &= wall(model, flags, args.runs, warm=True) <= target
