@@ -1,7 +1,5 @@
 """``python -m autopar`` runs the CLI."""
 
-import sys
+from autopar.cli import run
 
-from autopar.cli import main
-
-sys.exit(main())
+run()
