@@ -18,6 +18,7 @@ never plans: ``autopar.parallelize`` plans first when it is given a cluster.
     state.py       the checkpoint layout (DCP, ZeRO-1, fused-QKV shards)
     checkpoint.py  save / load checkpoint folders (atomic; another model's refused)
     distributed.py the process group and what ranks agree on
+    settle.py      at exit, gloo's worker threads settle before the interpreter finalizes
     loss.py        the loss: the model's own, next-token cross-entropy, or the user's
 """
 
@@ -40,6 +41,7 @@ from autopar.runtime.distributed import (
 from autopar.runtime.loss import LossFn, lm_loss, resolve_objective, tail_loss, whole_logits
 from autopar.runtime.model import ParallelModel
 from autopar.runtime.schedules import apply_schedule
+from autopar.runtime.settle import settle_at_exit
 from autopar.runtime.sharding import (
     apply_data_parallel,
     apply_materialize,
@@ -81,6 +83,7 @@ def parallelize(
     ``optimizer_cls(params, **optimizer_kwargs)`` per local stage (default AdamW, lr 1e-3),
     sharded over the data-parallel ranks under ZeRO ≥ 1."""
     init_distributed(timeout_s)
+    settle_at_exit()  # gloo's threads drop their last tensors before the interpreter goes
     check_plan(model, plan)
     agree_on_plan(plan)
     st = plan.strategy
