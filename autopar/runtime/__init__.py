@@ -41,7 +41,6 @@ from autopar.runtime.distributed import (
 from autopar.runtime.loss import LossFn, lm_loss, resolve_objective, tail_loss, whole_logits
 from autopar.runtime.model import ParallelModel
 from autopar.runtime.schedules import apply_schedule
-from autopar.runtime.settle import settle_at_exit
 from autopar.runtime.sharding import (
     apply_data_parallel,
     apply_materialize,
@@ -83,7 +82,6 @@ def parallelize(
     ``optimizer_cls(params, **optimizer_kwargs)`` per local stage (default AdamW, lr 1e-3),
     sharded over the data-parallel ranks under ZeRO ≥ 1."""
     init_distributed(timeout_s)
-    settle_at_exit()  # gloo's threads drop their last tensors before the interpreter goes
     check_plan(model, plan)
     agree_on_plan(plan)
     st = plan.strategy

@@ -15,6 +15,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.runtime.settle import settle_at_exit
 from autopar.strategy import Strategy
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -34,7 +35,9 @@ def local_device() -> torch.device:
 
 
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the process group from the torchrun environment if there is none (NCCL on GPUs, gloo else)."""
+    """Join the process group from the torchrun environment if there is none (NCCL on GPUs, gloo else).
+    Either way, at exit gloo's worker threads settle before the interpreter finalizes (``settle``)."""
+    settle_at_exit()
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
