@@ -292,6 +292,9 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     profile, st, measured, tp_layout = ctx.profile, ctx.st, ctx.measured, ctx.tp_layout
     t, sp = st.tp, st.sequence_parallel
     lc = profile.layer_types[name]
+    # the blocks are compiled, but a TP block with selective recompute compiles only its
+    # checkpointed attention and runs the rest eagerly (``passes/compile.py``): priced eager
+    compiled = st.compile == "block" and not (t > 1 and choice == "selective")
     got = (
         measured.timing(
             name,
@@ -300,14 +303,14 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
             tp=t,
             sp=sp,
             dtype=st.dtype,
-            compiled=st.compile == "block",  # a compiled profile times the embedding and head eager
+            compiled=compiled,  # a compiled profile times the embedding and head eager
         )
         if measured
         else None
     )
     chosen = tp_layout.get(name) if tp_layout and t > 1 else None
     share = chosen.stream_share if chosen is not None else None
-    compiled = st.compile == "block" and name not in ("embed", "head")  # the blocks are compiled
+    compiled = compiled and name not in ("embed", "head")
     skew_s = expert_skew_s(lc, st, ctx.device)  # the busiest EP rank's extra expert rows
     fwd = skew_s + (
         got.forward_s

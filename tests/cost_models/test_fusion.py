@@ -113,3 +113,21 @@ def test_compiled_plans_are_predicted_faster_and_eager_ones_unchanged(gpt) -> No
     assert layer_forward_s(hand_built, h100, "bf16", tp=1, sp=False, compiled=True) == layer_forward_s(
         hand_built, h100, "bf16", tp=1, sp=False
     )
+
+
+def test_a_tp_block_with_selective_recompute_is_priced_eager(gpt) -> None:
+    # under TP, selective recompute compiles only the checkpointed attention and runs the rest of
+    # the block eagerly (passes/compile.py): that unit is priced eager, the others fused
+    cluster = Cluster.preset("dgx-h100")
+    st = Strategy(tp=2, pp=1, dp=4, global_batch=8, seq=128)
+    eager = build_terms(gpt.at(1), cluster, st).block
+    compiled = build_terms(gpt.at(1), cluster, dataclasses.replace(st, compile="block")).block
+    assert compiled["selective"].fwd_s == eager["selective"].fwd_s
+    assert compiled["none"].fwd_s < eager["none"].fwd_s and compiled["full"].fwd_s < eager["full"].fwd_s
+    dp_only = dataclasses.replace(st, tp=1, dp=8)  # without TP the whole block is compiled
+    assert (
+        build_terms(gpt.at(1), cluster, dataclasses.replace(dp_only, compile="block"))
+        .block["selective"]
+        .fwd_s
+        < build_terms(gpt.at(1), cluster, dp_only).block["selective"].fwd_s
+    )
