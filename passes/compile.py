@@ -17,13 +17,14 @@ A tensor-parallel block (its parameters are DTensors, read with ``to_local``) ke
 checkpoints outside compiled code. With torch 2.13, when a checkpoint's region is recomputed
 inside a compiled graph, AOTAutograd's partitioner puts the DeviceMesh that ``to_local``'s
 backward needs among the saved tensors and the first step fails ("expected all
-tensors_saved_with_vc_check to be Tensors": Llama, GPT-2 and Falcon under TP2 with full or
-selective recompute). So a fully recomputed TP block compiles the module inside its checkpoint,
-and a TP block with a checkpointed child (selective: its attention) compiles only that child's
-module, inside its checkpoint; the rest of that block runs eagerly. (Compiling the rest around
-the checkpoint, with a graph break at it, trained Falcon's parallel attention + MLP wrongly: its
-layer norm's gradient differed from eager's by up to 3e-3 (one SGD step at lr 1).) A per-operator policy
-(a checkpoint with a ``context_fn``) is compiled whole, as without TP (tested under TP2).
+tensors_saved_with_vc_check to be Tensors": seen under TP2 on Llama, GPT-2 and Falcon with
+selective recompute, Llama and the zoo GPT with full). So a fully recomputed TP block compiles
+the module inside its checkpoint, and a TP block with a checkpointed child (selective: its
+attention) compiles only that child's module, inside its checkpoint; the rest of that block runs
+eagerly. Compiling the rest around the checkpoint, with a graph break at it, trained Falcon's
+parallel attention + MLP wrongly: its layer norms' gradients differed from eager's by up to
+3e-3 (one SGD step at lr 1). A per-operator policy (a checkpoint with a ``context_fn``) is
+compiled whole, as without TP (tested under TP2).
 """
 
 from __future__ import annotations
