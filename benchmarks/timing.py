@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from autopar.measure.launch import launch
 
 WARMUP = 3
 """Steps dropped before the median (first-step allocations, pipeline shape inference)."""
@@ -46,7 +47,7 @@ def run_two(worker: Callable[..., None], *args: Any) -> dict[str, float]:
     """Spawn ``worker(rank, init, *args, out)`` on 2 processes; returns what rank 0 saved to ``out``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/times.pt"
-        mp.spawn(worker, args=(f"file://{tmp}/init", *args, out), nprocs=2, join=True)
+        launch(worker, args=(f"file://{tmp}/init", *args, out), nprocs=2)
         times: dict[str, float] = torch.load(out)
     return times
 

@@ -321,12 +321,12 @@ def spawn_jobs(
 ) -> list[dict[str, Any]]:
     """Run ``jobs`` (plans for ``world`` processes) in one launch of local gloo processes; rank 0's
     results, one per job."""
-    import torch.multiprocessing as mp
+    from autopar.measure.launch import launch
 
     assert all(Plan.from_json(j.plan).strategy.world_size == world for j in jobs), "one world per launch"
     out = f"{tmp}/results.pt"
     args = (world, f"file://{tmp}/init", jobs, data, data.shape[0], out, loss_spec, optimizer)
-    mp.spawn(dp_worker, args=args, nprocs=world, join=True)
+    launch(dp_worker, args=args, nprocs=world)
     results: list[dict[str, Any]] = torch.load(out)
     return results
 

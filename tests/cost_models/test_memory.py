@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from autopar import Cluster, Constraints, PlanRequest
 from autopar.cost_models.memory import (
@@ -19,6 +18,7 @@ from autopar.cost_models.memory import (
     loss_bytes,
     rank_state_bytes,
 )
+from autopar.measure.launch import launch
 from autopar.measure.saved import peak_bytes
 from autopar.plan import Plan
 from autopar.planner import make_plan
@@ -145,7 +145,7 @@ def _measure_steps(rank: int, plans: list[Plan], init: str, out: str) -> None:
 def test_zero_step_memory_measured(tmp_path: Path) -> None:
     plans = _zero_plans()
     out = tmp_path / "peaks.json"
-    mp.spawn(_measure_steps, args=(plans, f"file://{tmp_path / 'pg'}", str(out)), nprocs=2)
+    launch(_measure_steps, args=(plans, f"file://{tmp_path / 'pg'}", str(out)), nprocs=2)
     for plan, measured in zip(plans, json.loads(out.read_text()), strict=True):
         mem = plan.predicted["memory"][0]
         made = mem["activations"] + mem["loss"]

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from autopar.measure.launch import launch
 from autopar.measure.verify import run_reference
 from autopar.monitor import GAUGES, read_jsonl
 from autopar.monitor.drift import Drift
@@ -80,7 +80,7 @@ def test_jsonl_tensorboard_and_prometheus_agree(tmp_path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     port = _free_port()
-    mp.spawn(worker, args=(f"file://{tmp_path}/init", str(tmp_path), port), nprocs=2, join=True)
+    launch(worker, args=(f"file://{tmp_path}/init", str(tmp_path), port), nprocs=2, join=True)
     lines = read_jsonl(tmp_path / "run.jsonl")
     steps = [line for line in lines if "ranks" not in line]
     assert [line["step"] for line in steps] == list(range(STEPS))

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
+from autopar.measure.launch import launch
 from autopar.zoo import GPT, GPTConfig
 
 
@@ -162,7 +162,7 @@ def _async_copy(pm, directory: str, same_as) -> dict[str, object]:  # type: igno
 
 def _run(tmp_path: Path, tp: int) -> dict[str, object]:
     directory, out = str(tmp_path / "ckpt"), str(tmp_path / "report")
-    mp.spawn(worker, args=(f"file://{tmp_path}/init", _plan(tp), directory, out), nprocs=2, join=True)
+    launch(worker, args=(f"file://{tmp_path}/init", _plan(tp), directory, out), nprocs=2, join=True)
     reports = [ast.literal_eval(Path(f"{out}.{r}").read_text()) for r in range(2)]
     assert reports[0] == reports[1]  # every rank decides alike
     print(reports[0])

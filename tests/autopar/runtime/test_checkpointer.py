@@ -10,8 +10,9 @@ import os
 import signal
 
 import torch
-import torch.multiprocessing as mp
+from torch.multiprocessing import ProcessExitedException
 
+from autopar.measure.launch import launch
 from autopar.zoo import GPT, GPTConfig
 
 
@@ -64,12 +65,12 @@ def test_sigterm_saves_then_resume_continues_after_it(tmp_path) -> None:
     plan = _plan()
     directory, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     # every 2 steps: step-1 and step-3 saved; SIGTERM in step 4 → step-4 saved, step-1 pruned
-    mp.spawn(worker, args=(f"file://{tmp_path}/i1", plan, directory, 4, out), nprocs=2, join=True)
+    launch(worker, args=(f"file://{tmp_path}/i1", plan, directory, 4, out), nprocs=2, join=True)
     assert sorted(os.listdir(directory)) == ["step-000000003", "step-000000004"]
     saved = json.loads((tmp_path / "ckpt" / "step-000000004" / "autopar.json").read_text())["trainer"]
     assert saved["step"] == 4 and len(saved["rng"]) == 2 and saved["rng"][0] != saved["rng"][1]
     # a fresh start resumes at step 5 with each rank's random state as it was saved
-    mp.spawn(worker, args=(f"file://{tmp_path}/i2", plan, directory, None, out + "r"), nprocs=2, join=True)
+    launch(worker, args=(f"file://{tmp_path}/i2", plan, directory, None, out + "r"), nprocs=2, join=True)
     import base64
 
     for rank in (0, 1):
@@ -119,24 +120,20 @@ def test_a_kill_during_an_async_save_resumes_from_the_previous_checkpoint_bit_id
     with exactly the weights of an uninterrupted run."""
     plan = _plan()
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
-    mp.spawn(
-        async_worker, args=(f"file://{tmp_path}/i1", plan, whole, None, str(tmp_path / "w.pt")), nprocs=2
-    )
+    launch(async_worker, args=(f"file://{tmp_path}/i1", plan, whole, None, str(tmp_path / "w.pt")), nprocs=2)
     assert sorted(os.listdir(whole)) == ["step-000000005", "step-000000007"]
     try:
-        mp.spawn(
+        launch(
             async_worker, args=(f"file://{tmp_path}/i2", plan, killed, 5, str(tmp_path / "k.pt")), nprocs=2
         )
         raise AssertionError("rank 1 was killed: the launch must fail")
-    except mp.ProcessExitedException:
+    except ProcessExitedException:
         pass
     assert [n for n in sorted(os.listdir(killed)) if not n.endswith(".tmp")] == [
         "step-000000001",
         "step-000000003",
     ]
-    mp.spawn(
-        async_worker, args=(f"file://{tmp_path}/i3", plan, killed, None, str(tmp_path / "r.pt")), nprocs=2
-    )
+    launch(async_worker, args=(f"file://{tmp_path}/i3", plan, killed, None, str(tmp_path / "r.pt")), nprocs=2)
     a = torch.load(tmp_path / "w.pt", weights_only=True)
     b = torch.load(tmp_path / "r.pt", weights_only=True)
     assert a["start"] == 0 and b["start"] == 4

@@ -11,9 +11,9 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from autopar import AutoparError, Cluster, Constraints, PlanRequest, parallelize
+from autopar.measure.launch import launch
 from autopar.measure.verify import run_reference, spawn_plans
 from autopar.plan import Plan
 from autopar.planner import make_plan
@@ -367,7 +367,7 @@ def test_a_bad_batch_on_one_rank_is_an_error_on_every_rank(tmp_path) -> None:
 
     start = time.perf_counter()
     out = str(tmp_path / "msg")
-    mp.spawn(
+    launch(
         bad_batch_worker,
         args=(WORLD, f"file://{tmp_path / 'pg'}", _plan(0, 4, "none"), out),
         nprocs=WORLD,

@@ -12,9 +12,9 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 from autopar.cluster import Cluster
+from autopar.measure.launch import launch
 from autopar.measure.verdict import BOUNDS, relative
 from autopar.plan import Plan
 from autopar.planner import ModelProfiles, make_plan
@@ -73,7 +73,7 @@ def worker(rank: int, world: int, init: str, plan_json: str, directory: str, sto
 
 def _launch(world: int, plan: Plan, directory: Path, stop: int, out: Path, tag: str) -> dict:
     args = (world, f"file://{directory.parent}/init-{tag}", plan.to_json(), str(directory), stop, str(out))
-    mp.spawn(worker, args=args, nprocs=world, join=True)
+    launch(worker, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=True)
 
 

@@ -136,7 +136,7 @@ def _worker(rank: int, init: str, plans: list[str], data: torch.Tensor, out: str
 def test_ep2_and_pp2_recomputed_count_what_one_process_routes(tmp_path) -> None:
     """Both steps of EP2 and the second of PP2 (a pipeline's first has no counts: torch runs an
     extra forward to infer shapes), against the routing of the weights each step ran with."""
-    import torch.multiprocessing as mp
+    from autopar.measure.launch import launch
 
     make = functools.partial(zoo_mixtral, 0.5)
     plans = [
@@ -148,7 +148,7 @@ def test_ep2_and_pp2_recomputed_count_what_one_process_routes(tmp_path) -> None:
     data = torch.randint(0, 64, (2, BATCH, SEQ), generator=torch.Generator().manual_seed(3))
     out = str(tmp_path / "loads")
     args = (f"file://{tmp_path}/init", [p.to_json() for p in plans], data, out)
-    mp.spawn(_worker, args=args, nprocs=2, join=True)
+    launch(_worker, args=args, nprocs=2, join=True)
     ranks = [json.loads(pathlib.Path(f"{out}.{r}.json").read_text()) for r in range(2)]
     for i in range(len(plans)):
         trained = functools.partial(_loaded, make, torch.load(f"{out}.{i}.pt"))

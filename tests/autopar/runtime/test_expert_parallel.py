@@ -152,8 +152,8 @@ def test_an_ep2_checkpoint_resumes_without_ep_and_loads_into_one_process(tmp_pat
     AdamW state included) resumes under DP2 ZeRO-3 without EP, the step after it gives the same
     weights (float32, within re-association rounding), and it loads into the unmodified model."""
     import torch.distributed.checkpoint as dcp
-    import torch.multiprocessing as mp
 
+    from autopar.measure.launch import launch
     from tests.autopar.runtime.test_state import layout_worker
 
     make = functools.partial(hf.family, "mixtral")
@@ -164,7 +164,7 @@ def test_an_ep2_checkpoint_resumes_without_ep_and_loads_into_one_process(tmp_pat
     runs = ((_plan("mixtral", ep=2, zero=1, **knobs), False), (_plan("mixtral", ep=1, zero=3, **knobs), True))
     for i, (plan, load) in enumerate(runs):
         init = f"file://{tmp_path}/init{i}"
-        mp.spawn(layout_worker, args=(2, init, plan.to_json(), data, path, load, make), nprocs=2, join=True)
+        launch(layout_worker, args=(2, init, plan.to_json(), data, path, load, make), nprocs=2, join=True)
     saved, loaded = torch.load(f"{path}.saved.pt"), torch.load(f"{path}.loaded.pt")
     assert set(saved) == set(loaded) and any(".experts." in k for k in saved)
     worst = max(float((saved[k] - loaded[k]).norm() / saved[k].norm().clamp_min(1e-30)) for k in saved)

@@ -275,12 +275,12 @@ def meta_worker(rank: int, world: int, init: str, plan_json: str, data: torch.Te
 def test_meta_model_materialises_only_its_stages(tmp_path) -> None:
     """PP2×DP2 ZeRO-3 from meta parameters: each rank allocates its stage's shard only, training
     is refused until weights are loaded, then equals the single-process run."""
-    import torch.multiprocessing as mp
+    from autopar.measure.launch import launch
 
     plan = _plan(make_llama, pp=2, dp=2, tp=1, zero=3, schedule="1f1b")
     data = torch.randint(0, 64, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     out = str(tmp_path / "meta.pt")
-    mp.spawn(meta_worker, args=(4, f"file://{tmp_path}/init", plan.to_json(), data, out), nprocs=4, join=True)
+    launch(meta_worker, args=(4, f"file://{tmp_path}/init", plan.to_json(), data, out), nprocs=4, join=True)
     got = torch.load(out)
     total = sum(p.numel() for p in make_llama().parameters())
     assert got["still_meta"] and "load its weights first" in got["refused"]
@@ -323,14 +323,13 @@ def test_pipeline_checkpoint_loads_into_the_plain_model(tmp_path) -> None:
     """The stages' DCP checkpoint names everything as the model does (tied weight under both of
     its names): a single process loads it into the unmodified model."""
     import torch.distributed.checkpoint as dcp
-    import torch.multiprocessing as mp
+
+    from autopar.measure.launch import launch
 
     plan = _plan(make_gpt4, pp=2, dp=1, tp=1, schedule="1f1b")
     data = torch.randint(0, 64, (1, BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     path = str(tmp_path / "ckpt")
-    mp.spawn(
-        save_worker, args=(2, f"file://{tmp_path}/init", plan.to_json(), data, path), nprocs=2, join=True
-    )
+    launch(save_worker, args=(2, f"file://{tmp_path}/init", plan.to_json(), data, path), nprocs=2, join=True)
     model = make_gpt4()
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=path)

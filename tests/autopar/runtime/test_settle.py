@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from autopar.measure.launch import launch
 from autopar.runtime import settle
 
 
@@ -93,7 +93,7 @@ def test_after_training_on_gloo_the_workers_are_found_and_settle(tmp_path) -> No
         constraints=cons,
     )
     out = str(tmp_path / "settled")
-    mp.spawn(_worker, args=(f"file://{tmp_path}/init", plan.to_json(), out), nprocs=2, join=True)
+    launch(_worker, args=(f"file://{tmp_path}/init", plan.to_json(), out), nprocs=2, join=True)
     for rank in range(2):
         workers, settled, busy = (tmp_path / f"settled.{rank}").read_text().split()
         assert int(workers) >= 2 and settled == "True" and busy == "0"  # each group has 2 workers

@@ -160,13 +160,14 @@ def test_a_tp2_pp2_checkpoint_resumes_under_dp2_and_loads_into_one_process(tmp_p
     gives the same weights (float64, within re-association rounding), and its weights load into
     the unmodified model in one process."""
     import torch.distributed.checkpoint as dcp
-    import torch.multiprocessing as mp
+
+    from autopar.measure.launch import launch
 
     data = torch.randint(0, 64, (2, 8, 16), generator=torch.Generator().manual_seed(1))
     path = str(tmp_path / "ckpt")
     for plan, world, load in ((_plan(2, 2, 1), 4, False), (_plan(1, 1, 2, zero=3), 2, True)):
         init = f"file://{tmp_path}/init{world}"
-        mp.spawn(layout_worker, args=(world, init, plan, data, path, load), nprocs=world, join=True)
+        launch(layout_worker, args=(world, init, plan, data, path, load), nprocs=world, join=True)
     saved, loaded = torch.load(f"{path}.saved.pt"), torch.load(f"{path}.loaded.pt")
     assert set(saved) == set(loaded)
     worst = max(float((saved[k] - loaded[k]).norm() / saved[k].norm().clamp_min(1e-30)) for k in saved)
@@ -256,11 +257,11 @@ def refusal_worker(rank: int, world: int, init: str, plans: list[str], path: str
 def test_a_failed_save_keeps_the_last_checkpoint_and_another_models_is_refused(tmp_path) -> None:
     import ast
 
-    import torch.multiprocessing as mp
+    from autopar.measure.launch import launch
 
     path, out = str(tmp_path / "ckpt"), str(tmp_path / "report")
     args = (2, f"file://{tmp_path}/init", [_dp2_plan(4), _dp2_plan(2)], path, out)
-    mp.spawn(refusal_worker, args=args, nprocs=2, join=True)
+    launch(refusal_worker, args=args, nprocs=2, join=True)
     reports = [ast.literal_eval(Path(f"{out}.{r}").read_text()) for r in range(2)]
     assert reports[0] == reports[1]  # every rank refuses alike
     got = reports[0]
