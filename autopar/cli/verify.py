@@ -53,7 +53,8 @@ def add_parser(sub: Any) -> None:
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> None:
     from autopar.cluster import Cluster
-    from autopar.measure.verify import resolve_loss, verify_plan
+    from autopar.measure.ranks import resolve_loss
+    from autopar.measure.verify import verify_plan
     from autopar.planner import ModelProfiles, make_plan
     from autopar.request import PlanRequest
     from autopar.zoo.registry import model_seq

@@ -73,6 +73,7 @@ assert "torch" not in sys.modules, "a warm plan imported torch"
 """
 
 
+@pytest.mark.slow
 def test_a_warm_plan_needs_no_capture_and_no_torch(cache_in) -> None:
     env = {**os.environ, cache.CACHE_ENV: str(cache_in)}
     cold = subprocess.run([sys.executable, "-m", "autopar", *PLAN], capture_output=True, text=True, env=env)

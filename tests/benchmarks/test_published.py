@@ -7,6 +7,8 @@ import pathlib
 import statistics
 import sys
 
+import pytest
+
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -20,6 +22,7 @@ def _published():
     return module
 
 
+@pytest.mark.slow
 def test_published_runs_within_targets() -> None:
     published = _published()
     errors = []

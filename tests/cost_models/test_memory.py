@@ -142,6 +142,7 @@ def _measure_steps(rank: int, plans: list[Plan], init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_zero_step_memory_measured(tmp_path: Path) -> None:
     plans = _zero_plans()
     out = tmp_path / "peaks.json"

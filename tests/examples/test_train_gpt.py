@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # torchrun agents, killed and restarted
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 ARGS = ["--steps", "3", "--global-batch", "8", "--seq", "32", "--tp", "1", "--pp", "1"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

@@ -69,6 +69,7 @@ def _block_bytes(model: nn.Module, path: str, tokens: torch.Tensor) -> int:
     return retained_bytes(block, lambda: (torch.randn_like(args[0]).requires_grad_(), args[1:], kwargs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("make", "as_graph"),
     [

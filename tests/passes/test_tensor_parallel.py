@@ -10,14 +10,16 @@ import torch
 
 from autopar import Cluster
 from autopar.cost_models.tp import LOSS, step_collectives
-from autopar.measure.verify import compare, run_reference, spawn_plans
+from autopar.measure.ranks import spawn_plans
+from autopar.measure.verify import compare, run_reference
 from autopar.plan import Plan
-from autopar.planner import ModelProfiles, make_plan
 from autopar.planner.tp_layouts import layer_choices
-from autopar.request import Constraints, PlanRequest
 from autopar.strategy import SHARDING
 from autopar.zoo import GPT, GPTConfig, hf
 from autopar.zoo.llama import Llama, LlamaConfig
+from tests.conftest import plan_for, profiles_of
+
+pytestmark = pytest.mark.slow  # 2- and 4-rank process groups
 
 STEPS, BATCH, SEQ = 2, 8, 16
 GPT_CFG = GPTConfig(n_layer=4, n_embd=256, n_head=4, vocab_size=64, block_size=SEQ)
@@ -46,28 +48,8 @@ def _plan(
     recompute: str = "none",
     objective: str = "time",
 ) -> Plan:
-    with torch.device("meta"):
-        meta = make()
-    cons = Constraints(
-        tp=tp,
-        pp=1,
-        dp=dp,
-        zero=zero,
-        micro_batch=2,
-        recompute=(recompute,),
-        sequence_parallel=sp,
-        tp_objective=objective,
-    )
-    request = PlanRequest(
-        model=meta,
-        name="tiny",
-        cluster=Cluster.preset("cpu", gpus_per_node=tp * dp),
-        global_batch=BATCH,
-        seq=SEQ,
-        dtype="fp32",
-        constraints=cons,
-    )
-    return make_plan(request).plan
+    knobs = dict(zero=zero, recompute=(recompute,), sequence_parallel=sp, tp_objective=objective)
+    return plan_for(make, batch=BATCH, seq=SEQ, name="tiny", tp=tp, pp=1, dp=dp, **knobs)
 
 
 def _sharded(plan: Plan, ltype: str | None = None) -> dict[str, str]:
@@ -151,9 +133,7 @@ def _predicted_counts(make, plan: Plan) -> dict[str, int]:
     cross-entropy's all-reduces (``LOSS``) are left out: DTensor issues them inside its own
     dispatch, where the counting mode does not see them (``_loss_collectives`` checks them)."""
     st = plan.strategy
-    with torch.device("meta"):
-        meta = make()
-    cap = ModelProfiles.of(meta, dtype="fp32", seq=SEQ).captured(st.micro_batch)
+    cap = profiles_of(make, dtype="fp32", seq=SEQ).captured(st.micro_batch)
     names = {"all_reduce": "all_reduce", "all_gather": "all_gather_into_tensor"}
     names["reduce_scatter"] = "reduce_scatter_tensor"
     counts: dict[str, int] = {}
@@ -239,9 +219,7 @@ def make_gpt_big_vocab() -> torch.nn.Module:
 
 def _loss_collectives(make, plan: Plan) -> list[tuple[str, int]]:
     """The head's predicted vocab-parallel cross-entropy reductions: (kind, bytes) per micro-batch."""
-    with torch.device("meta"):
-        meta = make()
-    cap = ModelProfiles.of(meta, dtype="fp32", seq=SEQ).captured(plan.strategy.micro_batch)
+    cap = profiles_of(make, dtype="fp32", seq=SEQ).captured(plan.strategy.micro_batch)
     cluster = Cluster.from_dict(plan.cluster)
     ends = layer_choices(cap, cluster, plan.strategy.tp, "fp32", sp=plan.strategy.sequence_parallel)[-1][2]
     return [(c.kind, c.size_bytes) for c in ends.collectives if c.at == LOSS]
@@ -292,13 +270,7 @@ def test_tp4_gqa_with_fewer_kv_heads_than_ranks(tmp_path) -> None:
     sliced 4 ways, so K and V reach attention whole and each rank takes its query heads' share
     after they are repeated (a runtime shape error before the follow rule checked that the
     input dim it splits divides by t)."""
-    import autopar
-
-    with torch.device("meta"):
-        meta = make_llama_two_kv_heads()
-    cons = Constraints(tp=4, pp=1, dp=1, micro_batch=2, recompute=("none",), tp_objective="memory")
-    cluster = Cluster.preset("cpu", gpus_per_node=4)
-    plan = autopar.plan(meta, cluster, global_batch=BATCH, seq_len=32, dtype="fp32", constraints=cons)
+    plan = plan_for(make_llama_two_kv_heads, batch=BATCH, seq=32, tp=4, pp=1, dp=1, tp_objective="memory")
     assert _sharded(plan).get("attention") == "heads", _sharded(plan)
     data = torch.randint(0, 64, (STEPS, BATCH, 32), generator=torch.Generator().manual_seed(1))
     got = spawn_plans(make_llama_two_kv_heads, [plan], data, str(tmp_path), optimizer="sgd")[0]

@@ -17,6 +17,8 @@ from autopar.measurements import dumps, load_comm, load_compute
 from autopar.planner import ModelProfiles
 from autopar.zoo import GPT, GPTConfig
 
+pytestmark = pytest.mark.slow  # torchrun and the CLI in subprocesses
+
 SEQ = 32
 FACTORY = textwrap.dedent(
     """

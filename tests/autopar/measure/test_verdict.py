@@ -6,19 +6,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import pytest
 import torch
 
-import autopar
-from autopar import Cluster, Constraints
+from autopar.measure.ranks import spawn_plans
 from autopar.measure.verdict import BOUNDS, Trace, judge
-from autopar.measure.verify import HALF, arithmetic_of, run_reference, spawn_plans
+from autopar.measure.verify import HALF, arithmetic_of, run_reference
 from autopar.plan import Plan
 from autopar.strategy import SHARDING
 from autopar.zoo import GPT, GPTConfig, hf
+from tests.conftest import default_init, plan_for
 
 STEPS, BATCH, SEQ = 3, 8, 16
 
@@ -28,23 +28,17 @@ def default_init_gpt(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     enough that the per-operator ILP shards it at tp 2."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=256, n_head=4, vocab_size=96, block_size=SEQ))
-    return _default_init(model).to(dtype)
+    return default_init(model).to(dtype)
 
 
-def _default_init(model: torch.nn.Module) -> torch.nn.Module:
-    """PyTorch's own initialisation of every layer (not GPT-2's 0.02 scaling)."""
-    for m in model.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
-    return model
+def _float32(make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``make()`` in float32: the model the plans are made for (the checks run it in float64)."""
+    return make().float()
 
 
 def _plan(dtype: str = "fp32", model=None, **knobs) -> Plan:
-    with torch.device("meta"):
-        meta = (model or default_init_gpt)().float()
-    cons = Constraints(**{"micro_batch": 2, "recompute": ("none",), **knobs})
-    cluster = Cluster.preset("cpu", gpus_per_node=2)
-    return autopar.plan(meta, cluster, global_batch=BATCH, seq_len=SEQ, dtype=dtype, constraints=cons)
+    make = functools.partial(_float32, model or default_init_gpt)
+    return plan_for(make, batch=BATCH, seq=SEQ, dtype=dtype, gpus=2, **knobs)
 
 
 # ---- mutations: each breaks a plan on purpose (run inside the worker around the plan) --------
@@ -135,10 +129,10 @@ def overflow_on_rank_one() -> Iterator[None]:
 @contextlib.contextmanager
 def weigh_micro_batches_unevenly() -> Iterator[None]:
     """Every other micro-batch's loss counted twice (the weights of a step's losses uneven)."""
-    from autopar.measure import verify
+    from autopar.measure import ranks
     from autopar.runtime import lm_loss
 
-    original, calls = verify.resolve_loss, []
+    original, calls = ranks.resolve_loss, []
 
     def resolve(spec):
         loss_fn = original(spec) or lm_loss  # (the default for this model: it returns logits)
@@ -149,7 +143,7 @@ def weigh_micro_batches_unevenly() -> Iterator[None]:
 
         return weighed
 
-    with mock.patch.object(verify, "resolve_loss", resolve):
+    with mock.patch.object(ranks, "resolve_loss", resolve):
         yield
 
 
@@ -202,6 +196,7 @@ def _launch(make, plans, hooks, tmp_path, raw=None):
     return verdicts
 
 
+@pytest.mark.slow
 def test_correct_plans_pass_and_broken_ones_fail_naming_the_parameter(tmp_path) -> None:
     # 1F1B: the boundary mutation moves the first chunk's last layer (interleaved plans may
     # hold the embedding alone in it)
@@ -233,6 +228,7 @@ def test_correct_plans_pass_and_broken_ones_fail_naming_the_parameter(tmp_path) 
     assert "wte.weight" in str(verdicts[6].first_failure) or "lm_head" in str(verdicts[6].first_failure)
 
 
+@pytest.mark.slow
 def test_half_precision_plan_passes_and_a_wrong_loss_scale_fails(tmp_path) -> None:
     """fp16 DDP and bf16 TP2 pass against an autocast reference (parameters included); one rank's
     doubled loss scale fails; an overflow on one rank makes every rank skip that step and halve
@@ -303,13 +299,11 @@ def test_bounds_are_stated_per_arithmetic(arithmetic: str) -> None:
 
 
 def _plan4(**knobs) -> Plan:
-    with torch.device("meta"):
-        meta = default_init_gpt(torch.float32)
-    cons = Constraints(**{"micro_batch": 1, "recompute": ("none",), **knobs})
-    cluster = Cluster.preset("cpu", gpus_per_node=4)
-    return autopar.plan(meta, cluster, global_batch=BATCH, seq_len=SEQ, constraints=cons)
+    make = functools.partial(default_init_gpt, torch.float32)
+    return plan_for(make, batch=BATCH, seq=SEQ, dtype="bf16", gpus=4, **{"micro_batch": 1, **knobs})
 
 
+@pytest.mark.slow
 def test_zero_and_interleaving_with_tp_and_pp_pass_on_four_ranks(tmp_path) -> None:
     """The combinations the two-rank tests don't reach, under AdamW on default-initialised
     weights, checked in float64 in one 4-rank launch (their checkpoints round-trip in the 2-rank
@@ -338,7 +332,7 @@ def dropout_gpt() -> torch.nn.Module:
     cfg = GPTConfig(
         n_layer=4, n_embd=256, n_head=4, vocab_size=96, block_size=SEQ, dropout=0.1, attention="math"
     )
-    return _default_init(GPT(cfg)).double()
+    return default_init(GPT(cfg)).double()
 
 
 @contextlib.contextmanager
@@ -359,6 +353,7 @@ def recompute_with_fresh_masks() -> Iterator[None]:
         yield
 
 
+@pytest.mark.slow
 def test_dropout_plans_pass_and_unreplayed_or_unsynced_masks_fail(tmp_path) -> None:
     from autopar.measure.verify import draws_masks, verify_runs
     from autopar.runtime import lm_loss

@@ -75,6 +75,7 @@ def worker(rank: int, init: str, folder: str, port: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_jsonl_tensorboard_and_prometheus_agree(tmp_path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -59,6 +59,7 @@ def test_the_reductions_the_search_prices(dtype: str, lossy: bool) -> None:
     assert any(st.lossy_comm for st in strategies) == (lossy and dtype != "bf16")
 
 
+@pytest.mark.slow
 def test_ethernet_gets_bf16_reduction_and_it_is_faster() -> None:
     """Llama-3 8B on 4 nodes of 8 A100-PCIe on 25 GbE, bf16: the plan reduces gradients in bf16
     and is predicted faster than the same plan reducing in fp32. On DGX H100 an fp32 plan
@@ -98,6 +99,7 @@ def test_the_hsdp_groups_the_search_prices() -> None:
     assert {(st.dp_replicate, st.dp % 4) for st in outer_strategies(fixed, blocks=32, heads=32)} == {(4, 0)}
 
 
+@pytest.mark.slow
 def test_ethernet_fp32_gets_hsdp_and_it_is_faster() -> None:
     """Llama-3 8B in fp32 at seq 4096 on 4 nodes of 8 A100-PCIe on 25 GbE, no lossy knob allowed
     (at seq 2048 a pipeline inside each node wins without it): ZeRO sharded

@@ -103,12 +103,14 @@ def brute_force(
 
 
 def _instances():
-    """20+ small instances: clusters of 2–8 GPUs in 1–2 nodes, batches, memory caps, recompute sets."""
+    """20+ small instances: clusters of 2–8 GPUs in 1–2 nodes, batches, memory caps, recompute sets
+    (those over 4+ GPUs with every recompute choice enumerate for 3–9 s each: ``slow``)."""
     out = []
     for gpn, nodes in ((2, 1), (4, 1), (2, 2), (4, 2)):
         for batch in (4, 8):
             for cap_mib in (None, 12, 6):
-                out.append((gpn, nodes, batch, cap_mib, RECOMPUTE))
+                marks = [pytest.mark.slow] if gpn * nodes >= 4 else []
+                out.append(pytest.param(gpn, nodes, batch, cap_mib, RECOMPUTE, marks=marks))
     out.append((4, 1, 8, 12, ("none", "full")))
     out.append((2, 2, 8, 24, ("full",)))
     # per-operator policies with none and full where memory binds (the optimum mixes policies,
@@ -292,6 +294,7 @@ def test_leanest_tp_layout_is_planned_when_the_fastest_does_not_fit() -> None:
     assert Plan.from_json(tight.to_json()) == tight
 
 
+@pytest.mark.slow
 def test_plan_beats_the_hand_heuristic_and_megatron_on_zoo_models() -> None:
     cases = [
         ("gpt3-175b", "dgx-a100-80g", 128, 1536, 2048),

@@ -25,6 +25,7 @@ def test_deepened_profile_equals_the_whole_capture(spec: str, seq: int) -> None:
     assert shallow == whole  # every field but the graph: costs, layers, names, parameters
 
 
+@pytest.mark.slow
 def test_runs_of_unlike_blocks_are_deepened_run_by_run() -> None:
     """DeepSeek-V3's shape: dense blocks, then MoE blocks; a copy with two of each, deepened to
     3 and 5, equals the capture of all 8."""
@@ -58,6 +59,7 @@ def test_a_profile_that_cannot_be_deepened() -> None:
     assert named is not None and named.layer_names == ("e", "h.0", "h.1", "h.2", "h.3", "o")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "constraints",
     [

@@ -12,10 +12,14 @@ import errno
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from autopar.measure.launch import launch
 from autopar.zoo import GPT, GPTConfig
+from tests.conftest import plan_for
+
+pytestmark = pytest.mark.slow  # a 2-rank process group
 
 
 def _gpt() -> torch.nn.Module:
@@ -24,14 +28,7 @@ def _gpt() -> torch.nn.Module:
 
 
 def _plan(tp: int) -> str:
-    import autopar
-    from autopar import Cluster, Constraints
-
-    with torch.device("meta"):
-        meta = _gpt()
-    cons = Constraints(tp=tp, pp=1, dp=2 // tp, zero=1 if tp == 1 else 0, micro_batch=2, recompute=("none",))
-    cluster = Cluster.preset("cpu", gpus_per_node=2)
-    return autopar.plan(meta, cluster, global_batch=4, seq_len=16, dtype="fp32", constraints=cons).to_json()
+    return plan_for(_gpt, batch=4, seq=16, tp=tp, pp=1, dp=2 // tp, zero=1 if tp == 1 else 0).to_json()
 
 
 def _damage(folder: Path, how: str) -> None:

@@ -9,11 +9,15 @@ import json
 import os
 import signal
 
+import pytest
 import torch
 from torch.multiprocessing import ProcessExitedException
 
 from autopar.measure.launch import launch
 from autopar.zoo import GPT, GPTConfig
+from tests.conftest import plan_for
+
+pytestmark = pytest.mark.slow  # 2-rank process groups, one killed
 
 
 def _gpt() -> torch.nn.Module:
@@ -22,14 +26,7 @@ def _gpt() -> torch.nn.Module:
 
 
 def _plan() -> str:
-    import autopar
-    from autopar import Cluster, Constraints
-
-    with torch.device("meta"):
-        meta = _gpt()
-    cons = Constraints(tp=1, pp=1, dp=2, zero=0, micro_batch=2, recompute=("none",))
-    cluster = Cluster.preset("cpu", gpus_per_node=2)
-    return autopar.plan(meta, cluster, global_batch=4, seq_len=16, dtype="fp32", constraints=cons).to_json()
+    return plan_for(_gpt, batch=4, seq=16, tp=1, pp=1, dp=2, zero=0).to_json()
 
 
 def worker(rank: int, init: str, plan_json: str, directory: str, term_at: int | None, out: str) -> None:

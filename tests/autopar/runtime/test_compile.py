@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar import Cluster, Constraints, PlanRequest
-from autopar.measure.verify import run_reference, spawn_plans
+from autopar.measure.ranks import spawn_plans
+from autopar.measure.verify import run_reference
 from autopar.plan import Plan
-from autopar.planner import make_plan
 from autopar.zoo import GPT, GPTConfig
+from tests.conftest import plan_for
+
+pytestmark = pytest.mark.slow  # inductor compiles in 2-rank process groups
 
 CFG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
 STEPS, BATCH = 3, 4
@@ -35,18 +37,7 @@ def make_model() -> torch.nn.Module:
 
 
 def _plan(knobs: dict) -> Plan:
-    with torch.device("meta"):
-        meta = GPT(CFG)
-    request = PlanRequest(
-        model=meta,
-        name="gpt",
-        cluster=Cluster.preset("cpu"),
-        global_batch=BATCH,
-        seq=CFG.block_size,
-        dtype="fp32",
-        constraints=Constraints(micro_batch=2, compile="block", **knobs),
-    )
-    return make_plan(request).plan
+    return plan_for(make_model, batch=BATCH, seq=CFG.block_size, name="gpt", gpus=2, compile="block", **knobs)
 
 
 @pytest.fixture(scope="module")

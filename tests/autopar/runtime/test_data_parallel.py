@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -12,12 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar import AutoparError, Cluster, Constraints, PlanRequest, parallelize
+from autopar import AutoparError, parallelize
 from autopar.measure.launch import launch
-from autopar.measure.verify import run_reference, spawn_plans
+from autopar.measure.ranks import spawn_plans
+from autopar.measure.verify import run_reference
 from autopar.plan import Plan
-from autopar.planner import make_plan
 from autopar.zoo import GPT, GPTConfig
+from tests.conftest import plan_for
+
+pytestmark = pytest.mark.slow  # 2-rank process groups and the verify CLI
 
 CFG = GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16)
 STEPS, BATCH, SEQ, WORLD = 3, 8, 16, 2
@@ -35,36 +39,17 @@ def _plan(
     dtype: str = "fp32",
     reduce: str = "fp32",
     *,
-    cfg: GPTConfig = CFG,
+    make: Callable[[], torch.nn.Module] = make_model,
+    seq: int = CFG.block_size,
     batch: int = BATCH,
     powersgd: int = 0,
     bucket_mb: float | None = None,
 ) -> str:
-    """The DP2 plan with these knobs for a GPT of ``cfg`` at its block size, as JSON."""
-    with torch.device("meta"):
-        meta = GPT(cfg)
-    cons = Constraints(
-        tp=1,
-        pp=1,
-        dp=WORLD,
-        zero=zero,
-        micro_batch=micro_batch,
-        recompute=(recompute,),
-        grad_reduce=reduce,
-        powersgd_rank=powersgd,
-        bucket_mb=bucket_mb,
-        allow_lossy_comm=True,
-    )
-    request = PlanRequest(
-        model=meta,
-        name="gpt",
-        cluster=Cluster.preset("cpu"),
-        global_batch=batch,
-        seq=cfg.block_size,
-        dtype=dtype,
-        constraints=cons,
-    )
-    return make_plan(request).plan.to_json()
+    """The DP2 plan with these knobs for the GPT ``make`` builds (``seq``: its block size), as JSON."""
+    knobs = dict(zero=zero, micro_batch=micro_batch, recompute=(recompute,), grad_reduce=reduce)
+    knobs |= dict(powersgd_rank=powersgd, bucket_mb=bucket_mb, allow_lossy_comm=True)
+    plan = plan_for(make, batch=batch, seq=seq, dtype=dtype, name="gpt", tp=1, pp=1, dp=WORLD, **knobs)
+    return plan.to_json()
 
 
 CASES = [(0, 4, "none"), (1, 2, "full"), (2, 1, "none"), (3, 2, "full"), (0, 2, "selective")]
@@ -289,19 +274,7 @@ def world_of_one(tmp_path):
 
 
 def _plan_for_one() -> str:
-    with torch.device("meta"):
-        meta = GPT(CFG)
-    cons = Constraints(tp=1, pp=1, dp=1, micro_batch=2, recompute=("none",))
-    request = PlanRequest(
-        model=meta,
-        name="tiny-gpt",
-        cluster=Cluster.preset("cpu", gpus_per_node=1),
-        global_batch=4,
-        seq=SEQ,
-        dtype="fp32",
-        constraints=cons,
-    )
-    return make_plan(request).plan.to_json()
+    return plan_for(make_model, batch=4, seq=SEQ, name="tiny-gpt", tp=1, pp=1, dp=1).to_json()
 
 
 def test_bad_input_is_a_clear_error(world_of_one) -> None:
@@ -437,12 +410,19 @@ def test_powersgd_rank4_converges_like_uncompressed_training(tmp_path) -> None:
     see the same batches in both runs) within 2% of uncompressed DDP's; training moved (the loss
     fell by more than 1 nat) and compression changed its path."""
     steps, batch, seq = 50, 8, BENCH.block_size
-    plans = [Plan.from_json(_plan(0, 4, "none", cfg=BENCH, batch=batch, powersgd=r)) for r in (0, 4)]
+    plans = [
+        Plan.from_json(
+            _plan(0, 4, "none", make=make_bench_gpt, seq=BENCH.block_size, batch=batch, powersgd=r)
+        )
+        for r in (0, 4)
+    ]
     assert [p.strategy.powersgd_rank for p in plans] == [0, 4]
     g = torch.Generator().manual_seed(3)
     pool = torch.randint(0, BENCH.vocab_size, (16, seq), generator=g)
     data = pool[torch.randint(0, 16, (steps, batch), generator=g)]
-    runs = spawn_plans(make_bench_gpt, plans, data, str(tmp_path), optimizer="sgd", lr=0.5, checkpoint=False)
+    runs = spawn_plans(
+        make_bench_gpt, plans, data, str(tmp_path), optimizer="sgd", lr=0.5, checkpoint=False, trace=False
+    )  # losses only: 50 steps of whole gradients and weights would be 1.4 GB through rank 0
     plain, compressed = (r["losses"] for r in runs)
     final, final_compressed = sum(plain[-5:]) / 5, sum(compressed[-5:]) / 5
     print(

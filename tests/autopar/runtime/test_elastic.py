@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from autopar.cluster import Cluster
@@ -20,6 +21,8 @@ from autopar.plan import Plan
 from autopar.planner import ModelProfiles, make_plan
 from autopar.request import Constraints, PlanRequest
 from autopar.zoo import hf
+
+pytestmark = pytest.mark.slow  # 4- then 2-rank process groups
 
 BATCH, SEQ, STEPS = 8, 16, 6
 SPEC = f"{__file__}:tiny_gpt2"

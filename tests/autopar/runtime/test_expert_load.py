@@ -11,15 +11,14 @@ import math
 import pathlib
 import warnings
 
+import pytest
 import torch
 
-from autopar.cluster import Cluster
 from autopar.graph import capture
 from autopar.passes.expert_load import count_expert_load
-from autopar.planner import ModelProfiles, make_plan
-from autopar.request import Constraints, PlanRequest
 from autopar.runtime.expert_load import ExpertLoad, overflow_warning, unpack_loads
 from tests.autopar.runtime.test_expert_parallel import zoo_mixtral
+from tests.conftest import plan_for
 
 BATCH, SEQ, E, K = 4, 16, 4, 2
 
@@ -83,19 +82,7 @@ def test_unpacking_divides_the_ranks_that_saw_each_token_and_warns_on_drops() ->
 
 
 def _plan(make, **knobs):
-    with torch.device("meta"):
-        profiles = ModelProfiles.of(make(), dtype="fp32", seq=SEQ)
-        meta = make()
-    request = PlanRequest(
-        model=meta,
-        name="zoo",
-        cluster=Cluster.preset("cpu", gpus_per_node=2),
-        global_batch=BATCH,
-        seq=SEQ,
-        dtype="fp32",
-        constraints=Constraints(micro_batch=1, **knobs),
-    )
-    return make_plan(request, profiles).plan
+    return plan_for(make, batch=BATCH, seq=SEQ, name="zoo", gpus=2, micro_batch=1, **knobs)
 
 
 def _worker(rank: int, init: str, plans: list[str], data: torch.Tensor, out: str) -> None:
@@ -133,6 +120,7 @@ def _worker(rank: int, init: str, plans: list[str], data: torch.Tensor, out: str
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ep2_and_pp2_recomputed_count_what_one_process_routes(tmp_path) -> None:
     """Both steps of EP2 and the second of PP2 (a pipeline's first has no counts: torch runs an
     extra forward to infer shapes), against the routing of the weights each step ran with."""

@@ -10,17 +10,18 @@ import functools
 from collections import Counter
 from typing import Any, ClassVar
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.cluster import Cluster
 from autopar.measure.verify import verify_cases
-from autopar.planner import ModelProfiles, make_plan
-from autopar.request import Constraints, PlanRequest
 from autopar.zoo import hf
 from autopar.zoo.configs import DeepSeekConfig, MixtralConfig
 from autopar.zoo.deepseek import DeepSeekV3
 from autopar.zoo.mixtral import Mixtral
+from tests.conftest import plan_for
+
+pytestmark = pytest.mark.slow  # 2- and 4-rank process groups
 
 STEPS, BATCH, SEQ = 2, 4, 16
 MICRO_BATCHES = 2  # per rank and step: 4 sequences over dp 2, micro-batch 1
@@ -80,19 +81,8 @@ def _plan(
     **knobs: Any,
 ):
     make = make or functools.partial(hf.family, family)
-    with torch.device("meta"):
-        meta = make()
-        profiles = ModelProfiles.of(make(), dtype="fp32", seq=SEQ)
-    request = PlanRequest(
-        model=meta,
-        name=family,
-        cluster=Cluster.preset("cpu", gpus_per_node=2 * tp),
-        global_batch=batch,
-        seq=SEQ,
-        dtype="fp32",
-        constraints=Constraints(tp=tp, pp=1, dp=2, ep=ep, micro_batch=micro_batch, **knobs),
-    )
-    return make_plan(request, profiles).plan
+    knobs |= dict(tp=tp, pp=1, dp=2, ep=ep, micro_batch=micro_batch)
+    return plan_for(make, batch=batch, seq=SEQ, name=family, gpus=2 * tp, **knobs)
 
 
 def test_ep2_trains_like_one_process_and_round_trips_its_checkpoints(tmp_path) -> None:

@@ -16,15 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.cluster import Cluster
 from autopar.graph import capture
 from autopar.measure.verify import verify_cases
-from autopar.plan import Plan
-from autopar.planner import ModelProfiles, make_plan
-from autopar.request import Constraints, PlanRequest
 from autopar.strategy import SHARDING
 from autopar.zoo import hf
 from autopar.zoo.spec import build_model
+from tests.conftest import plan_for
+
+pytestmark = pytest.mark.slow  # 26 captures and a 2-rank sweep of 38 plans
 
 nanogpt = functools.partial(build_model, f"{Path(__file__).with_name('nanogpt.py')}:nanogpt")
 
@@ -65,26 +64,6 @@ them (both passes are generic in the graph's structure); EP2 the routed-expert f
 MoE blocks differ (plain, with a gated shared expert, DeepSeek-V3's group-limited routing)."""
 
 
-def _plan(make, knobs: dict, profiles: ModelProfiles) -> Plan:
-    with torch.device("meta"):
-        meta = make()
-    request = PlanRequest(
-        model=meta,
-        name="tiny",
-        cluster=Cluster.preset("cpu", gpus_per_node=2),
-        global_batch=BATCH,
-        seq=SEQ,
-        dtype="fp32",
-        constraints=Constraints(micro_batch=2, recompute=("none",), **knobs),
-    )
-    return make_plan(request, profiles).plan
-
-
-def _profiles(make) -> ModelProfiles:
-    with torch.device("meta"):
-        return ModelProfiles.of(make(), dtype="fp32", seq=SEQ)
-
-
 def _makers():
     return {name: functools.partial(hf.family, name) for name in SWEPT} | {"nanogpt": nanogpt}
 
@@ -107,9 +86,13 @@ def test_family_captured_exactly(name: str) -> None:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     makers = _makers()
-    profiles = {name: _profiles(make) for name, make in makers.items()}  # one capture per model
     cases = [
-        (name, kind, makers[name], _plan(makers[name], PLANS[kind], profiles[name]))
+        (
+            name,
+            kind,
+            makers[name],
+            plan_for(makers[name], batch=BATCH, seq=SEQ, name="tiny", gpus=2, **PLANS[kind]),
+        )
         for kind, names in KINDS.items()
         for name in names
     ]

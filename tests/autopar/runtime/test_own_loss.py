@@ -11,12 +11,14 @@ import pytest
 import torch
 
 import autopar
-from autopar import Cluster, Constraints
 from autopar.errors import AutoparError
 from autopar.graph.objective import Objective, model_loss, objective_of
 from autopar.measure.verify import verify_runs
 from autopar.runtime.loss import lm_loss, loss_of
 from autopar.zoo.spec import build_model
+from tests.conftest import plan_for
+
+pytestmark = pytest.mark.slow  # process groups and the verify CLI
 
 NANOGPT = f"{Path(__file__).with_name('nanogpt.py')}:nanogpt"
 
@@ -28,11 +30,7 @@ nanogpt_z_loss = functools.partial(build_model, NANOGPT + "_z_loss")
 
 
 def _plan(**knobs) -> autopar.Plan:
-    with torch.device("meta"):
-        meta = nanogpt_z_loss()
-    cons = Constraints(**{"micro_batch": 2, "recompute": ("none",), **knobs})
-    cluster = Cluster.preset("cpu", gpus_per_node=2)
-    return autopar.plan(meta, cluster, global_batch=BATCH, seq_len=SEQ, dtype="fp32", constraints=cons)
+    return plan_for(nanogpt_z_loss, batch=BATCH, seq=SEQ, gpus=2, **knobs)
 
 
 def test_the_objective_follows_the_forward_signature() -> None:

@@ -8,10 +8,14 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from autopar.measure.launch import launch
 from autopar.zoo import GPT, GPTConfig
+from tests.conftest import plan_for
+
+pytestmark = pytest.mark.slow  # 2-rank process groups waiting out a timeout
 
 TIMEOUT_S = 5.0
 
@@ -24,13 +28,7 @@ def _gpt() -> torch.nn.Module:
 def _plan_json() -> str:
     """DP2 for ``_gpt``, planned here: planning inside the workers would spend the short
     timeout of the group on one rank planning while the other waits for its plan."""
-    import autopar
-
-    cluster = autopar.Cluster.preset("cpu", gpus_per_node=2)
-    cons = autopar.Constraints(tp=1, pp=1, dp=2, micro_batch=2, recompute=("none",))
-    with torch.device("meta"):
-        meta = _gpt()
-    return autopar.plan(meta, cluster, global_batch=4, seq_len=16, constraints=cons).to_json()
+    return plan_for(_gpt, batch=4, seq=16, dtype="bf16", tp=1, pp=1, dp=2).to_json()
 
 
 def worker(rank: int, init: str, how: str, out: str, plan_json: str) -> None:

@@ -21,16 +21,11 @@ from autopar.runtime import lm_loss
 from autopar.strategy import SHARDING
 from autopar.zoo import GPT, GPTConfig, hf
 from autopar.zoo.llama import Llama, LlamaConfig
+from tests.conftest import default_init, plan_for
+
+pytestmark = pytest.mark.slow  # process groups of 2, 4 and 8 ranks
 
 STEPS, BATCH, SEQ = 2, 8, 16
-
-
-def default_init(model: torch.nn.Module) -> torch.nn.Module:
-    """PyTorch's own initialisation of every layer (not the model's 0.02 scaling)."""
-    for m in model.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
-    return model
 
 
 def make_gpt4() -> torch.nn.Module:
@@ -51,14 +46,8 @@ def make_llama() -> torch.nn.Module:
     return default_init(Llama(cfg))
 
 
-def _plan(make, dtype: str = "fp32", **knobs) -> Plan:
-    """The planner's plan with the given knobs fixed, for a one-node ``cpu`` cluster."""
-    with torch.device("meta"):
-        meta = make()
-    world = knobs.get("tp", 1) * knobs.get("pp", 1) * knobs.get("dp", 1)
-    cons = Constraints(**{"micro_batch": 2, "recompute": ("none",), **knobs})
-    cluster = Cluster.preset("cpu", gpus_per_node=world)
-    return autopar.plan(meta, cluster, global_batch=BATCH, seq_len=SEQ, dtype=dtype, constraints=cons)
+_plan = functools.partial(plan_for, batch=BATCH, seq=SEQ)
+"""The planner's plan with the given knobs fixed, for a one-node ``cpu`` cluster."""
 
 
 def _run_and_check(
@@ -90,7 +79,7 @@ def test_pp2_every_schedule(tmp_path) -> None:
         _plan(make_gpt4, pp=2, dp=1, tp=1, schedule="gpipe"),
         _plan(make_gpt4, pp=2, dp=1, tp=1, schedule="1f1b"),
         _plan(make_gpt4, pp=2, dp=1, tp=1, schedule="interleaved", virtual_stages=2),
-        _plan(make_gpt4, "bf16", pp=2, dp=1, tp=1, schedule="1f1b"),  # autocast around the schedule
+        _plan(make_gpt4, dtype="bf16", pp=2, dp=1, tp=1, schedule="1f1b"),  # autocast around the schedule
         # per-operator recompute policies on pipeline stages and on tensor-parallel blocks
         _plan(make_gpt4, pp=2, dp=1, tp=1, schedule="1f1b", recompute=("sac",)),
         _plan(make_gpt4, pp=1, dp=1, tp=2, sequence_parallel=True, recompute=("sac",)),
@@ -236,7 +225,7 @@ def meta_worker(rank: int, world: int, init: str, plan_json: str, data: torch.Te
     import torch.distributed as dist
 
     from autopar.errors import AutoparError
-    from autopar.measure.verify import LR
+    from autopar.measure.ranks import LR
 
     dist.init_process_group(
         "gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)

@@ -10,7 +10,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
+
+from tests.conftest import plan_for
+
+pytestmark = pytest.mark.slow  # process groups and torchrun
 
 SCRIPT = """
 import datetime, sys
@@ -99,15 +104,12 @@ def _gpt() -> torch.nn.Module:
     return GPT(GPTConfig(n_layer=4, n_embd=256, n_head=4, vocab_size=64, block_size=16)).double()
 
 
-def _plan(tp: int, pp: int, dp: int, zero: int = 0) -> str:
-    import autopar
-    from autopar import Cluster, Constraints
+def _float32_gpt() -> torch.nn.Module:
+    return _gpt().float()
 
-    with torch.device("meta"):
-        meta = _gpt().float()
-    cons = Constraints(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=2, recompute=("none",))
-    cluster = Cluster.preset("cpu", gpus_per_node=tp * pp * dp)
-    return autopar.plan(meta, cluster, global_batch=8, seq_len=16, dtype="fp32", constraints=cons).to_json()
+
+def _plan(tp: int, pp: int, dp: int, zero: int = 0) -> str:
+    return plan_for(_float32_gpt, batch=8, seq=16, tp=tp, pp=pp, dp=dp, zero=zero).to_json()
 
 
 def layout_worker(

@@ -10,6 +10,8 @@ import pytest
 from autopar.strategy import V_SHAPE, Strategy, StrategyError, check_strategy
 from tests.autopar.runtime.test_pipeline import _plan, _run_and_check, make_gpt4, make_gpt8, make_llama
 
+pytestmark = pytest.mark.slow  # 2- and 4-rank process groups
+
 
 def test_pp2_zero_bubble_schedules(tmp_path) -> None:
     """PP2 on the tied GPT (embedding and head on one rank in a V: their gradients add there)."""
