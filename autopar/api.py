@@ -15,7 +15,7 @@ from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.planner import make_plan
 from autopar.request import Constraints, PlanRequest
-from autopar.runtime import DEFAULT_TIMEOUT_S, ParallelModel, init_distributed
+from autopar.runtime import ParallelModel, init_distributed
 from autopar.runtime import parallelize as place
 from autopar.runtime.loss import LossFn
 
@@ -79,7 +79,7 @@ def parallelize(
     loss_fn: LossFn | None = None,
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
     optimizer_kwargs: dict[str, Any] | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
     constraints: Constraints | None = None,
 ) -> ParallelModel:
     """Apply ``plan`` to ``model`` on this rank (call on every rank, inside torchrun).
@@ -89,9 +89,11 @@ def parallelize(
     The loss is ``loss_fn(output, tokens)``; by default the model's own (a forward that takes
     ``targets`` or ``labels``: ``graph.objective``), else next-token cross-entropy. The optimizer
     is ``optimizer_cls(params, **optimizer_kwargs)`` (default AdamW, lr 1e-3), sharded over the
-    data-parallel ranks under ZeRO ≥ 1.
+    data-parallel ranks under ZeRO ≥ 1. ``timeout_s``: how long any collective of the plan waits
+    for a rank that died or hangs, set on the process group whoever made it (None: the group's
+    own, 300 s where autopar makes it).
     """
-    init_distributed(timeout_s)
+    timeout_s = init_distributed(timeout_s)
     if isinstance(plan, Cluster):
         if global_batch is None or seq is None:
             raise AutoparError("planning here needs global_batch= and seq= (or pass a Plan)")

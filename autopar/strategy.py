@@ -316,17 +316,16 @@ class Strategy:
         """Fewest blocks pipeline rank ``rank`` may hold: one per chunk, but the chunks of the
         embedding and the head may hold them alone (1 per rank without interleaving, and at
         least 1 always)."""
-        if self.virtual_stages == 1:
-            return 1
-        return max(1, self.virtual_stages - (rank == 0) - (rank == self.head_rank))
+        return least_rank_blocks(rank, pp=self.pp, virtual_stages=self.virtual_stages, schedule=self.schedule)
 
     def blocks_per_rank(self, blocks: int) -> list[tuple[int, ...]]:
         """Block counts per rank by recompute choice (``choices``): the layout, or an even
-        split over the ranks (``even_split``) with ``recompute`` everywhere."""
+        split over the ranks (``even_split``, each rank its ``min_rank_blocks`` at least) with
+        ``recompute`` everywhere."""
         if self.layout:
             return list(self.layout)
         index = self.choices.index(self.recompute)
-        totals = even_split(blocks, self.pp)
+        totals = even_split(blocks, self.pp, [self.min_rank_blocks(k) for k in range(self.pp)])
         return [tuple(n if i == index else 0 for i in range(len(self.choices))) for n in totals]
 
     def to_dict(self) -> dict[str, Any]:
@@ -355,12 +354,39 @@ def remat(choice: str) -> bool:
     return choice not in ("none", "selective")
 
 
-def even_split(blocks: int, chunks: int) -> list[int]:
-    """Blocks per chunk, as even as possible; the extras go to the middle chunks
-    (the first holds the embedding and the most in-flight activations, the last the head)."""
+def least_rank_blocks(rank: int, *, pp: int, virtual_stages: int, schedule: str) -> int:
+    """``Strategy.min_rank_blocks`` of a pipeline not yet built: a block per chunk but the
+    embedding's and the head's (the head on rank 0 in a V, on rank p − 1 looped), at least 1."""
+    if virtual_stages == 1:
+        return 1
+    head_rank = 0 if schedule in V_SHAPE else pp - 1
+    return max(1, virtual_stages - (rank == 0) - (rank == head_rank))
+
+
+def fewest_blocks(*, pp: int, virtual_stages: int, schedule: str) -> int:
+    """Fewest blocks a pipeline holds (Σ of ``least_rank_blocks``): p without interleaving,
+    p·v − 2 looped, 2p − 1 in a V (its rank 0 runs the embedding's and the head's chunks, and
+    one block still)."""
+    return sum(
+        least_rank_blocks(k, pp=pp, virtual_stages=virtual_stages, schedule=schedule) for k in range(pp)
+    )
+
+
+def even_split(blocks: int, chunks: int, least: list[int] | None = None) -> list[int]:
+    """Blocks per chunk, as even as possible; the extras go to the middle chunks (the first
+    holds the embedding and the most in-flight activations, the last the head). ``least``: the
+    fewest each chunk may hold (Σ ≤ blocks); where the even split leaves a chunk short, it takes
+    the blocks from the fullest chunks that can spare them."""
     base, extra = divmod(blocks, chunks)
     middle = sorted(range(chunks), key=lambda c: abs(c - (chunks - 1) / 2))[:extra]
-    return [base + (1 if c in middle else 0) for c in range(chunks)]
+    split = [base + (1 if c in middle else 0) for c in range(chunks)]
+    if least is None or sum(least) > blocks or all(n >= lo for n, lo in zip(split, least, strict=True)):
+        return split  # (more needed than there are: no split is valid, ``check_strategy`` says so)
+    split = [max(n, lo) for n, lo in zip(split, least, strict=True)]
+    for _ in range(sum(split) - blocks):  # one at a time from the fullest that can spare one
+        spare = max((c for c in range(chunks) if split[c] > least[c]), key=lambda c: split[c])
+        split[spare] -= 1
+    return split
 
 
 def check_strategy(
@@ -386,11 +412,11 @@ def check_strategy(
     if heads is not None and heads % s.tp:
         raise StrategyError(f"tp={s.tp} does not divide {heads} heads")
     chunks = s.pp * s.virtual_stages
-    if chunks - 2 * (s.virtual_stages > 1) > blocks:
+    if fewest_blocks(pp=s.pp, virtual_stages=s.virtual_stages, schedule=s.schedule) > blocks:
         raise StrategyError(
             f"pp·v = {chunks} stages exceed the model's {blocks} layers"
             + (
-                " (every chunk but the embedding's and the head's needs a block)"
+                " (every chunk but the embedding's and the head's needs a block, and every rank one)"
                 if s.virtual_stages > 1
                 else ""
             )

@@ -1,7 +1,8 @@
 """Train a small GPT with autopar on whatever torchrun launched (CPU + gloo here, GPUs + NCCL there).
 
     torchrun --nproc-per-node 2 examples/train_gpt.py [--steps 20] [--global-batch 16] [--seq 64]
-        [--tp T] [--pp P] [--checkpoint DIR --checkpoint-every N [--keep K] [--async-save]]
+        [--tp T] [--pp P] [--checkpoint DIR --checkpoint-every N [--keep K] [--async-save]
+        [--restart-from-scratch]] [--timeout-s T]
         [--metrics-jsonl FILE] [--tensorboard DIR] [--prometheus-port PORT] [--collectives-every N]
         [--max-grad-norm X] [--plan-out FILE] [--save-final FILE]
 
@@ -15,13 +16,16 @@ report.html`` draws the run against the plan written by --plan-out). With --chec
 resumes from the newest complete checkpoint — under the plan for the world it was restarted on,
 which may differ. Step k's global batch is a function of k alone (``autopar.GlobalBatches``),
 so a resumed run, on any number of processes, sees the same data as one that never stopped.
-Restarts: ``torchrun --max-restarts`` (README, "Fault tolerance and elastic training").
+Restarts: ``torchrun --max-restarts`` (README, "Fault tolerance and elastic training"). An
+autopar error (a damaged checkpoint directory, a failed save, a peer that died) is one line per
+rank on stderr and exit status 1, no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -42,6 +46,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--keep", type=int, default=2, help="checkpoints kept")
     parser.add_argument("--async-save", action="store_true", help="write checkpoints while training goes on")
+    parser.add_argument(
+        "--restart-from-scratch",
+        action="store_true",
+        help="train from step 0 when every checkpoint in --checkpoint is damaged (else: stop)",
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=None, help="how long a collective waits for a dead or hung rank"
+    )
     parser.add_argument("--metrics-jsonl", default=None, help="per-step metrics as JSON lines (rank 0)")
     parser.add_argument("--tensorboard", default=None, help="TensorBoard log folder for the metrics")
     parser.add_argument(
@@ -58,7 +70,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    autopar.init_distributed()
+    autopar.init_distributed(args.timeout_s)
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)  # the same initial weights on every rank
     model = GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, vocab_size=512, block_size=args.seq))
@@ -79,7 +91,11 @@ def main() -> None:
         print(f"tensor-parallel groups inside one node: {inside}", flush=True)
     ckpt = (
         autopar.Checkpointer(
-            args.checkpoint, every=args.checkpoint_every, keep=args.keep, async_save=args.async_save
+            args.checkpoint,
+            every=args.checkpoint_every,
+            keep=args.keep,
+            async_save=args.async_save,
+            on_no_good="start" if args.restart_from_scratch else "stop",
         )
         if args.checkpoint
         else None
@@ -118,4 +134,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except autopar.AutoparError as e:  # one line per rank; torchrun sees the exit status
+        line = str(e) if str(e).startswith("rank ") else f"rank {os.environ.get('RANK', '0')}: {e}"
+        sys.stderr.write(line + "\n")  # one write: the ranks' lines don't interleave
+        sys.stderr.flush()
+        sys.exit(1)

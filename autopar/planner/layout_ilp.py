@@ -77,7 +77,7 @@ def fixed_rank_blocks(st: Strategy, blocks: int) -> list[int] | None:
     visits deep ones, whose free-count ILPs took 0.2–0.6 s each at pp 32–64), else None."""
     if st.schedule not in MULTI_CHUNK or st.pp <= FREE_INTERLEAVED_PP:
         return None
-    return even_split(blocks, st.pp)
+    return even_split(blocks, st.pp, [st.min_rank_blocks(k) for k in range(st.pp)])
 
 
 def fits_somehow(terms: Terms, blocks: int, capacity: float, allowed: tuple[str, ...]) -> bool:
@@ -92,7 +92,9 @@ def fits_somehow(terms: Terms, blocks: int, capacity: float, allowed: tuple[str,
     ]
     need = fixed_rank_blocks(st, blocks) or [st.min_rank_blocks(k) for k in range(st.pp)]
     return (
-        all(c >= n for c, n in zip(caps, need, strict=True)) and sum(min(c, blocks) for c in caps) >= blocks
+        sum(need) <= blocks
+        and all(c >= n for c, n in zip(caps, need, strict=True))
+        and sum(min(c, blocks) for c in caps) >= blocks
     )
 
 

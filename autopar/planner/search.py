@@ -44,7 +44,7 @@ from autopar.planner.pricing import Pricer
 from autopar.planner.recompute_ilp import recompute_choices
 from autopar.recompute_policy import RECOMPUTE, RecomputePolicy
 from autopar.request import Constraints, PlanRequest
-from autopar.strategy import V_SHAPE, Strategy, remat, runs_with_zero
+from autopar.strategy import V_SHAPE, Strategy, fewest_blocks, remat, runs_with_zero
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,12 +133,16 @@ def _schedules(c: Constraints, *, pp: int, micro_batches: int, blocks: int) -> l
     for name, first in (("interleaved", 2), ("interleaved-zb", 1)):
         if c.schedule in (None, name) and micro_batches % pp == 0:
             for v in [c.virtual_stages] if c.virtual_stages else VIRTUAL_STAGES[name]:
-                if v >= first and pp * v - 2 * (v > 1) <= blocks:
+                if v >= first and fewest_blocks(pp=pp, virtual_stages=v, schedule=name) <= blocks:
                     out.append((name, v))
     for name in V_SHAPE:
         named = c.schedule == name or (c.schedule is None and pp <= FREE_V_PP)
         wanted = named and c.virtual_stages in (None, 2)
-        if wanted and micro_batches >= 2 * pp and 2 * pp - 2 <= blocks:
+        if (
+            wanted
+            and micro_batches >= 2 * pp
+            and fewest_blocks(pp=pp, virtual_stages=2, schedule=name) <= blocks
+        ):
             out.append((name, 2))
     return out
 

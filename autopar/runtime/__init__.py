@@ -73,15 +73,15 @@ def parallelize(
     loss_fn: LossFn | None = None,
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
     optimizer_kwargs: dict[str, Any] | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
 ) -> ParallelModel:
     """Apply ``plan`` to ``model`` on this rank (call on every rank, inside torchrun).
 
     The loss is ``loss_fn(output, tokens)``, by default the model's own where it computes one
     (``runtime.loss.resolve_objective``), else next-token cross-entropy. The optimizer is
     ``optimizer_cls(params, **optimizer_kwargs)`` per local stage (default AdamW, lr 1e-3),
-    sharded over the data-parallel ranks under ZeRO ≥ 1."""
-    init_distributed(timeout_s)
+    sharded over the data-parallel ranks under ZeRO ≥ 1; ``timeout_s``: ``init_distributed``'s."""
+    timeout_s = init_distributed(timeout_s)
     check_plan(model, plan)
     agree_on_plan(plan)
     st = plan.strategy
@@ -89,7 +89,7 @@ def parallelize(
     half = compute_dtype(model, plan)
     aliases = tied_names(model)  # before the TP pass replaces parameters
     objective, loss_fn = resolve_objective(model, loss_fn, pp=st.pp)
-    mesh = make_mesh(plan)
+    mesh = make_mesh(plan, timeout_s)
     if st.tp > 1:
         agree_on_rng(mesh["tp"].get_group())  # replicated activations draw the same dropout masks
     objective = graph_objective(stages := apply_capture(model, plan), objective)

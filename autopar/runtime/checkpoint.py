@@ -9,6 +9,7 @@ tensors load with DCP's own reader (no pickled objects); the manifest is JSON.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -21,28 +22,49 @@ import torch.distributed as dist
 from autopar.errors import AutoparError
 from autopar.files import write_atomic
 from autopar.plan import Plan
+from autopar.runtime.distributed import PEER_LOST
 from autopar.runtime.integrity import BrokenCheckpointError, folder_digest, folder_problem
 
 MANIFEST = "autopar.json"
 """The checkpoint's description, next to DCP's ``.metadata``."""
 
 
-def save_checkpoint(pm: Any, path: str | os.PathLike[str], trainer: dict[str, Any] | None = None) -> None:
+def save_checkpoint(
+    pm: Any,
+    path: str | os.PathLike[str],
+    trainer: dict[str, Any] | None = None,
+    *,
+    previous: Path | None = None,
+) -> None:
     """Save ``pm``'s model, optimizer (and loss-scaler) state to the folder ``path``. Every rank
     writes into ``<path>.tmp``; once all have finished, rank 0 writes the manifest (with
     ``trainer``, the loop's own JSON state: step, data position, random states) and swaps the
     folder in, so ``path`` holds either the previous checkpoint or this one, never a mix. A save
-    that fails (a full disk, a read-only folder) raises on every rank and leaves ``path`` and the
-    training state as they were. Collective: call on every rank (a file system all ranks share)."""
+    that fails (a full disk, a read-only folder, a peer that died) raises one line on every rank
+    saying why and leaves ``path``, ``previous`` (the newest checkpoint before it; default: ``path``
+    if it holds one) and the training state as they were. Collective: call on every rank (a file
+    system all ranks share)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    path = Path(path)
+    if previous is None and (path / ".metadata").is_file():
+        previous = path
     tmp = begin_save(path)
+    free_before = free_bytes(path.parent)
     try:
         dcp.save(pm.state_dict(), checkpoint_id=str(tmp))
     except (Exception, CheckpointException) as e:  # DCP raises on every rank when any rank's failed
-        failed_save(path, e)
+        failed_save(path, e, previous=previous, free_before=free_before)
     commit_save(pm, path, trainer)
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes of ``folder``'s file system (0 where it can't be read)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 0
 
 
 def _agree(problem: str | None) -> None:
@@ -68,22 +90,80 @@ def begin_save(path: str | os.PathLike[str]) -> Path:
     return tmp
 
 
-def failed_save(path: str | os.PathLike[str], error: BaseException) -> NoReturn:
-    """After a failed write into ``<path>.tmp``: remove it, raise one line on every rank."""
+def failed_save(
+    path: str | os.PathLike[str], error: BaseException, *, previous: Path | None = None, free_before: int = 0
+) -> NoReturn:
+    """After a failed write into ``<path>.tmp``: remove it, raise one line on every rank saying
+    why (``save_cause``), that the training state is intact, and that ``previous`` (the newest
+    checkpoint before this save, if any) is too."""
     path = Path(path)
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: rank → its exception
+    where, first_error = "", error
+    if isinstance(failures, dict) and failures:
+        rank, first_error = min(failures.items())
+        first_error = (
+            first_error[0] if isinstance(first_error, tuple) else first_error
+        )  # (exception, traceback)
+        where = f"rank {rank}: "
+    cause, advice = save_cause(error, path.parent, free_before)  # before the partial files go
     if dist.get_rank() == 0:
         shutil.rmtree(path.with_name(path.name + ".tmp"), ignore_errors=True)
-    failures = getattr(error, "failures", None)  # DCP's CheckpointException: rank → its exception
-    where = ""
-    if isinstance(failures, dict) and failures:
-        rank, error = min(failures.items())
-        error = error[0] if isinstance(error, tuple) else error  # (exception, its traceback)
-        where = f"rank {rank}: "
-    first = where + (str(error).strip().splitlines() or [type(error).__name__])[0]
+    first = where + (str(first_error).strip().splitlines() or [type(first_error).__name__])[0]
+    kept = (
+        f"the previous checkpoint is intact ({previous.name}) and so is the training state"
+        if previous is not None
+        else "there is no earlier checkpoint; the training state is intact"
+    )
     raise AutoparError(
-        f"saving the checkpoint {str(path)!r} failed ({first}); the previous checkpoint is intact and "
-        "so is the training state: free space or give a writable folder"
+        f"saving the checkpoint {str(path)!r} failed{cause} ({first}); {kept}: {advice}"
     ) from None
+
+
+FULL_BYTES = 16 << 20
+"""Free bytes under which a folder's file system counts as full after a failed write (a write
+that ran out of space leaves a block or so)."""
+
+
+def save_cause(error: BaseException, folder: Path, free_before: int = 0) -> tuple[str, str]:
+    """(": why", what to do) for a failed save: the errno of an ``OSError`` anywhere in the error
+    (DCP's per-rank failures and causes included: ENOSPC, EDQUOT, EROFS, EACCES); a peer that
+    died; else the file system as the failure left it (torch wraps a short write as "unexpected pos
+    …"): nearly no space left, or a folder this process can't write. ("", generic advice) else."""
+    full = ": no space left on the device", "free space, or checkpoint to another folder"
+    unwritable = f": {str(folder)!r} can't be written (read-only or no permission)", "give a writable folder"
+    chain = _chain(error)
+    codes = {getattr(e, "errno", None) for e in chain}
+    if codes & {errno.ENOSPC, errno.EDQUOT}:
+        return full
+    if codes & {errno.EROFS, errno.EACCES, errno.EPERM}:
+        return unwritable
+    if any(sign in str(e) for e in chain for sign in PEER_LOST):
+        return (
+            ": another process died or stopped answering during the save",
+            "under torchrun --max-restarts the group restarts and resumes from the last checkpoint",
+        )
+    free = free_bytes(folder) if folder.is_dir() else None
+    if free is not None and free < max(FULL_BYTES, free_before // 50):
+        return f"{full[0]} ({free / 2**20:.1f} MiB free)", full[1]
+    if folder.is_dir() and not os.access(folder, os.W_OK):
+        return unwritable
+    return "", "free space or give a writable folder if that is the cause"
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error``, its causes and contexts, and DCP's per-rank failures (``failures``), each once."""
+    found: list[BaseException] = []
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if any(e is f for f in found):
+            continue
+        found.append(e)
+        failures = getattr(e, "failures", None)
+        nested = list(failures.values()) if isinstance(failures, dict) else []
+        nested = [f[0] if isinstance(f, tuple) else f for f in nested]  # (exception, traceback)
+        todo += [x for x in (e.__cause__, e.__context__, *nested) if isinstance(x, BaseException)]
+    return found
 
 
 def commit_save(pm: Any, path: str | os.PathLike[str], trainer: dict[str, Any] | None) -> None:
@@ -127,12 +207,12 @@ def load_checkpoint(pm: Any, path: str | os.PathLike[str]) -> None:
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
+    check_files(path)  # an autopar checkpoint's manifest lists every file, .metadata too: damage
     if not (path / ".metadata").is_file():
         raise AutoparError(
             f"{str(path)!r} is not a checkpoint folder (it has no .metadata): give a folder that "
             "ParallelModel.save (or torch.distributed.checkpoint.save) wrote"
         )
-    check_files(path)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     state = pm.state_dict()
     # what every rank will load (a pipeline rank holds its stages only): all ranks decide alike
@@ -235,6 +315,7 @@ __all__ = [
     "check_checkpoint",
     "commit_save",
     "failed_save",
+    "free_bytes",
     "load_checkpoint",
     "save_checkpoint",
     "saved_plan",

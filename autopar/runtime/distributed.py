@@ -34,20 +34,37 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the process group from the torchrun environment if there is none (NCCL on GPUs, gloo else).
-    Either way, at exit gloo's worker threads settle before the interpreter finalizes (``settle``)."""
+def init_distributed(timeout_s: float | None = None) -> float:
+    """Join the process group from the torchrun environment if there is none (NCCL on GPUs, gloo
+    else), with a timeout of ``timeout_s`` (default ``DEFAULT_TIMEOUT_S``). Where the group exists
+    already (the caller made it), a ``timeout_s`` given is set on it: asked for, it holds whoever
+    made the group. Returns the group's timeout in seconds (what ``group_timeout`` gives the
+    groups made later). Either way, at exit gloo's worker threads settle before the interpreter
+    finalizes (``settle``)."""
     settle_at_exit()
     if dist.is_initialized():
-        return
+        if timeout_s is not None:
+            dist.distributed_c10d._get_default_group().set_timeout(datetime.timedelta(seconds=timeout_s))
+        return group_timeout_s()
     if "RANK" not in os.environ:
         raise AutoparError("no process group and no torchrun environment: launch with torchrun")
     backend = "nccl" if device_type() == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else DEFAULT_TIMEOUT_S)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     dist.init_process_group(
         backend, store=attempt_store(store, os.environ), rank=rank, world_size=world, timeout=timeout
     )
+    return timeout.total_seconds()
+
+
+def group_timeout_s() -> float:
+    """The default process group's timeout, seconds: what every group the plan makes (its mesh's,
+    an async checkpoint writer's) is given too — torch gives a new group its backend's global
+    default (gloo 30 min, NCCL 10 min), not the default group's. ``DEFAULT_TIMEOUT_S`` where the
+    backend does not say (its options are torch's private API)."""
+    backend = dist.distributed_c10d._get_default_group()._get_backend(local_device())
+    timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else DEFAULT_TIMEOUT_S
 
 
 def attempt_store(store: dist.Store, env: Mapping[str, str]) -> dist.Store:

@@ -11,6 +11,7 @@ pipeline stages: ZeRO 0–2 then keep parameters unsharded between forward and b
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -29,9 +30,10 @@ EP_DIMS = ("edp", "ep")
 each MoE layer's experts, and the dp / ep ranks holding the same experts (ZeRO's group for them)."""
 
 
-def make_mesh(plan: Plan) -> Any:
+def make_mesh(plan: Plan, timeout_s: float) -> Any:
     """The (pp, dp, tp) device mesh of the plan's degrees; under HSDP dp is (dp_replicate,
-    dp_shard), flattened back into "dp" for what runs over the whole axis (data, loss)."""
+    dp_shard), flattened back into "dp" for what runs over the whole axis (data, loss). Every
+    group of it times out after ``timeout_s`` (torch would give each its backend's default)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     st = plan.strategy
@@ -39,12 +41,15 @@ def make_mesh(plan: Plan) -> Any:
         shape = (st.pp, st.dp // st.ep, st.ep, st.tp)
         mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("pp", *EP_DIMS, "tp"))
         mesh[EP_DIMS]._flatten("dp")
-        return mesh
-    if st.dp_replicate == 1:
-        return init_device_mesh(device_type(), (st.pp, st.dp, st.tp), mesh_dim_names=("pp", "dp", "tp"))
-    shape = (st.pp, st.dp_replicate, st.dp_shard, st.tp)
-    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("pp", *HSDP_DIMS, "tp"))
-    mesh[HSDP_DIMS]._flatten("dp")
+    elif st.dp_replicate == 1:
+        mesh = init_device_mesh(device_type(), (st.pp, st.dp, st.tp), mesh_dim_names=("pp", "dp", "tp"))
+    else:
+        shape = (st.pp, st.dp_replicate, st.dp_shard, st.tp)
+        mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("pp", *HSDP_DIMS, "tp"))
+        mesh[HSDP_DIMS]._flatten("dp")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for name in {*(mesh.mesh_dim_names or ()), "dp"}:
+        mesh[name].get_group().set_timeout(timeout)
     return mesh
 
 

@@ -78,7 +78,7 @@ def test_a_killed_worker_resumes_from_its_checkpoint_bit_identical(tmp_path) -> 
     common = ["--steps", "8", "--global-batch", "8", "--seq", "32", "--tp", "1", "--pp", "1"]
     common += ["--checkpoint-every", "2"]
 
-    def launch(name: str, restarts: int) -> subprocess.Popen[str]:
+    def launch(name: str, restarts: int, *extra: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
             [
                 *TORCHRUN,
@@ -94,6 +94,7 @@ def test_a_killed_worker_resumes_from_its_checkpoint_bit_identical(tmp_path) -> 
                 str(tmp_path / name),
                 "--save-final",
                 str(tmp_path / f"{name}.pt"),
+                *extra,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -124,6 +125,29 @@ def test_a_killed_worker_resumes_from_its_checkpoint_bit_identical(tmp_path) -> 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     kept = sorted(p.name for p in (tmp_path / "killed").iterdir())
     assert kept == ["step-000000005", "step-000000007"]  # keep 2, nothing half-written left
+    _every_checkpoint_damaged(tmp_path / "killed", launch)
+
+
+def _every_checkpoint_damaged(directory: Path, launch) -> None:  # type: ignore[no-untyped-def]
+    """Every checkpoint's manifest unreadable: the restart stops, one line per rank and no
+    traceback of theirs, the folders set aside (not trained over); --restart-from-scratch
+    trains from step 0 beside them."""
+    for folder in directory.iterdir():
+        (folder / "autopar.json").write_text("{ not json")
+    stopped = launch("killed", 0)
+    out, _ = stopped.communicate(timeout=300)
+    assert stopped.returncode != 0, out[-3000:]
+    for rank in (0, 1):
+        assert out.count(f"rank {rank}: no checkpoint in ") == 1, out[-3000:]
+    assert out.count("2 damaged, set aside (step-000000005.damaged, step-000000007.damaged)") == 2
+    assert 'checkpointer.py", line' not in out, out[-3000:]  # no rank's traceback
+    aside = sorted(p.name for p in directory.iterdir())
+    assert aside == ["step-000000005.damaged", "step-000000007.damaged"], aside
+    scratch = launch("killed", 0, "--restart-from-scratch")
+    out, _ = scratch.communicate(timeout=300)
+    assert scratch.returncode == 0 and "starts at step 0" in out, out[-3000:]
+    assert "training from step 0 (on_no_good='start'); 2 damaged checkpoints set aside" in out
+    assert sorted(p.name for p in directory.iterdir()) == sorted([*aside, "step-000000005", "step-000000007"])
 
 
 def _agent(args: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
