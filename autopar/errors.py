@@ -1,7 +1,8 @@
 """Error types for user mistakes.
 
-Every error here is a ``ValueError``: the CLI turns it into one line on stderr
-and exit code 2. Internal invariants use ``assert`` instead.
+Every ``AutoparError`` is a ``ValueError``: the CLI turns it into one line on stderr and exit
+code 2. An invariant a user depends on raises a real exception too (``PlanInvariantError``),
+never an ``assert`` (``python -O`` drops those).
 """
 
 from __future__ import annotations
@@ -29,3 +30,8 @@ class CaptureError(AutoparError):
 
 class InfeasibleError(AutoparError):
     """No plan fits in memory (the message says what would)."""
+
+
+class PlanInvariantError(RuntimeError):
+    """A plan breaks an invariant the runtime depends on (``plan.validate_plan``): a planner bug,
+    exit code 1 on the CLI."""

@@ -2,8 +2,8 @@
 
 A ``Plan`` is frozen, round-trips through JSON exactly, prints as a short
 diffable text, and names layers by their module names. ``validate_plan``
-checks its invariants (degrees multiply to the GPU count, stages contiguous
-and non-empty, batch divisible, memory fits, …).
+checks its invariants (degrees multiply to the GPU count, stages hold the
+model's layers in order and none empty, batch divisible, memory fits, …).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, PlanInvariantError
 from autopar.strategy import SHARDING, Strategy
 
 
@@ -302,23 +302,41 @@ def _tp_summary(ops: tuple[tuple[str, str, str], ...]) -> list[str]:
     return [f"{m} {n}" for m, n in seen.items()]
 
 
-def validate_plan(plan: Plan, *, world_size: int, blocks: int, capacity_bytes: float) -> None:
-    """Assert the plan's invariants (internal: a failing plan is a planner bug)."""
+def validate_plan(
+    plan: Plan, *, world_size: int, layer_names: tuple[str, ...], capacity_bytes: float
+) -> None:
+    """Raise ``PlanInvariantError`` naming the first invariant ``plan`` breaks: the degrees
+    multiply to the GPU count, the batch splits, one stage per pipeline rank with v non-empty
+    chunks each, and the chunks in model order (chunk c on ``Strategy.chunk_rank(c)``) are
+    ``layer_names`` exactly — the embedding first, every block once and in order, the head
+    last; every stage fits ``capacity_bytes``; recompute choices are the strategy's."""
     st = plan.strategy
-    assert st.tp * st.pp * st.dp == world_size, "degrees multiply to the GPU count"
-    assert st.global_batch % (st.dp * st.micro_batch) == 0, "batch divisible by dp × micro-batch"
-    assert len(plan.stages) == st.pp, "one stage per pipeline rank"
-    assert all(s.layers for s in plan.stages), "stages non-empty"
-    names = [n for s in plan.stages for n in s.layers]
-    assert len(names) == len(set(names)) == blocks + 2, "every layer exactly once"
-    if st.virtual_stages == 1:
-        assert names == sorted(names, key=names.index), "contiguous"
-    else:
-        assert all(
-            len(s.chunk_sizes) == st.virtual_stages
-            and sum(s.chunk_sizes) == len(s.layers)
-            and all(s.chunk_sizes)
-            for s in plan.stages
-        ), "v non-empty chunks per stage"
-    assert all(s.peak_bytes <= capacity_bytes for s in plan.stages), "memory fits"
-    assert {r for s in plan.stages for _, r in s.recompute} <= set(st.choices), "known recompute choices"
+    p, v = st.pp, st.virtual_stages
+    chunks = [list(s.chunks) if v > 1 else [s.layers] for s in plan.stages]
+    whole = all(len(c) == v and all(c) for c in chunks)
+    ordered: list[str] = []
+    for c in range(p * v):  # model order: chunk c is the next unused chunk of its rank
+        rank = st.chunk_rank(c)
+        ordered += chunks[rank].pop(0) if rank < len(chunks) and chunks[rank] else ["<missing chunk>"]
+    checks = (
+        (st.world_size == world_size, f"tp·pp·dp = {st.world_size}, not the cluster's {world_size} GPUs"),
+        (st.global_batch % (st.dp * st.micro_batch) == 0, "the batch does not split over dp × micro-batch"),
+        (len(plan.stages) == p, f"{len(plan.stages)} stages for pp = {p}"),
+        (whole, f"a stage without {v} non-empty chunks"),
+        (
+            ordered == list(layer_names),
+            f"the stages' chunks in model order are {_first_difference(ordered, layer_names)}",
+        ),
+        (all(s.peak_bytes <= capacity_bytes for s in plan.stages), "a stage's peak exceeds the memory"),
+        ({r for s in plan.stages for _, r in s.recompute} <= set(st.choices), "an unknown recompute choice"),
+    )
+    for holds, what in checks:
+        if not holds:
+            raise PlanInvariantError(f"plan {plan.model}: {what} (a planner bug: please report it)")
+
+
+def _first_difference(got: list[str], want: tuple[str, ...]) -> str:
+    """Where ``got`` leaves the model's layer order ``want``: position, what is there, what should be."""
+    i = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    there = got[i] if i < len(got) else "nothing"
+    return f"{there!r} at position {i} where the model has {want[i] if i < len(want) else 'nothing'!r}"

@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import Any
 
 from autopar.errors import StrategyError
+from autopar.mesh import ParallelDims
 from autopar.recompute_policy import RECOMPUTE, RecomputePolicy
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
@@ -260,6 +261,11 @@ class Strategy:
         ZeRO 0–1, dp > 1; every other data-parallel plan runs on FSDP2)."""
         return runs_on_ddp(tp=self.tp, pp=self.pp, dp=self.dp, zero=self.zero, ep=self.ep)
 
+    @cached_property
+    def dims(self) -> ParallelDims:
+        """The mesh these degrees lay out: its axes, strides and rank coordinates."""
+        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp, dp_replicate=self.dp_replicate, ep=self.ep)
+
     @property
     def dp_shard(self) -> int:
         """Ranks ZeRO shards the model states over: dp / dp_replicate (all of dp without HSDP)."""
@@ -268,7 +274,7 @@ class Strategy:
     @property
     def world_size(self) -> int:
         """GPUs the strategy uses: tp · pp · dp."""
-        return self.tp * self.pp * self.dp
+        return self.dims.world_size
 
     @property
     def micro_batches(self) -> int:

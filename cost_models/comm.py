@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.measurements import COLLECTIVES
+from autopar.mesh import Axis
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,12 +56,12 @@ class GroupLink:
         return None
 
 
-def group_link(cluster: Cluster, *, size: int, stride: int) -> GroupLink:
-    """Link of a group of ``size`` ranks spaced ``stride`` apart (ranks fill nodes in order),
-    with the cluster's measured fits for groups of this size attached."""
-    assert size >= 1 and stride >= 1
-    gpn = cluster.gpus_per_node
-    crosses = not (size == 1 or stride * size <= gpn)
+def group_link(cluster: Cluster, axis: Axis) -> GroupLink:
+    """Link of a group of ``axis.size`` ranks spaced ``axis.stride`` apart (ranks fill nodes in
+    order: ``Axis.crosses_nodes``), with the cluster's measured fits for groups of this size
+    attached."""
+    size, gpn = axis.size, cluster.gpus_per_node
+    crosses = axis.crosses_nodes(gpn)
     measured: list[tuple[str, float, float]] = []
     if cluster.comm_profile is not None and size > 1:
         for name in COLLECTIVES:

@@ -293,21 +293,20 @@ def measurement_notes(profile: ModelProfile, cluster: Cluster, st: Strategy) -> 
             st.zero, ("all_gather", "reduce_scatter")
         )  # DDP; + ZeroRedundancyOptimizer's broadcast; FSDP2
         dp_axes = (
-            (
-                ("dp shard", st.dp_shard, st.tp, dp_uses),
-                ("dp replicate", st.dp_replicate, st.tp * st.dp_shard, ("all_reduce",)),
-            )
+            (("dp_shard", dp_uses), ("dp_replicate", ("all_reduce",)))
             if st.dp_replicate > 1  # HSDP
-            else (("dp", st.dp, st.tp, dp_uses),)
+            else (("dp", dp_uses),)
         )
         uses = (
-            ("tp", st.tp, 1, ("all_reduce", "all_gather", "reduce_scatter")),  # the layout may use each
+            ("tp", ("all_reduce", "all_gather", "reduce_scatter")),  # the layout may use each
             *dp_axes,
-            ("pp", st.pp, st.tp * st.dp, ("send_recv",)),
+            ("pp", ("send_recv",)),
         )
-        for axis, size, stride, collectives in uses:
-            link = comm.group_link(cluster, size=size, stride=stride)
-            gaps += [f"{c} over {axis} {size}" for c in comm.unmeasured(link, size, collectives)]
+        for name, collectives in uses:
+            axis = st.dims.axis(name)
+            link = comm.group_link(cluster, axis)
+            label = name.replace("_", " ")
+            gaps += [f"{c} over {label} {axis.size}" for c in comm.unmeasured(link, axis.size, collectives)]
         if gaps:
             notes.append(f"not measured, alpha-beta model used: {', '.join(gaps)}")
     return notes

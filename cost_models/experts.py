@@ -30,7 +30,7 @@ COUNT_BYTES = 8
 
 def ep_link(cluster: Cluster, st: Strategy) -> comm.GroupLink:
     """The link of an expert-parallel group: ep consecutive data-parallel ranks (stride tp)."""
-    return comm.group_link(cluster, size=st.ep, stride=st.tp)
+    return comm.group_link(cluster, st.dims.axis("ep"))
 
 
 def ep_forward_s(lc: LayerCost, st: Strategy, link: comm.GroupLink) -> float:
@@ -76,8 +76,8 @@ def expert_factors(cluster: Cluster, st: Strategy) -> dict[str, float]:
     state = mem.state_bytes_per_param(st, shard=e) / mem.state_bytes_per_param(st)
     kind = "all_reduce" if st.zero <= 1 else "reduce_scatter"
     kind += "_bf16" if st.grad_reduce == "bf16" else ""
-    dense = comm.coefficients(kind, st.dp, comm.group_link(cluster, size=st.dp, stride=st.tp))[1]
-    local = comm.coefficients(kind, e, comm.group_link(cluster, size=e, stride=st.tp * st.ep))[1]
+    dense = comm.coefficients(kind, st.dp, comm.group_link(cluster, st.dims.axis("dp")))[1]
+    local = comm.coefficients(kind, e, comm.group_link(cluster, st.dims.axis("edp")))[1]
     return {
         "expert_state": state,
         "expert_optimizer": float(st.ep) if st.zero >= 1 else 1.0,

@@ -205,9 +205,9 @@ def layer_units(
     all-reduces and backward's (an all-gather + reduce-scatter each under sequence
     parallelism). Full recompute repeats the forward's. Parameters per GPU: the layout's, else
     the layer's ÷ t."""
-    device, t = cluster.device, st.tp
+    device = cluster.device
     rate = device.achievable_flops(st.dtype)
-    tp_link = comm.group_link(cluster, size=t, stride=1)
+    tp_link = comm.group_link(cluster, st.dims.axis("tp"))
     block_types = set(profile.layers[1:-1])
     if len(block_types) != 1:
         raise AutoparError(
@@ -398,15 +398,15 @@ def _dp_coefficients(cluster: Cluster, st: Strategy) -> tuple[tuple[float, float
     as FSDP2 reduces each unit under HSDP: α_r = α_rs(k) + α_ar(r), σ_r = σ_rs(k) + σ_ar(r)/k.
     The all-reduce (DDP, ZeRO 0–1) spans the whole DP axis: HSDP needs ZeRO-2/3."""
     on = "_bf16" if st.grad_reduce == "bf16" else ""
-    k, r = st.dp_shard, st.dp_replicate
-    shard_link = comm.group_link(cluster, size=k, stride=st.tp)
+    k, r, dims = st.dp_shard, st.dp_replicate, st.dims
+    shard_link = comm.group_link(cluster, dims.axis("dp_shard" if r > 1 else "dp"))
     gather = comm.coefficients("all_gather", k, shard_link)
     rs_lat, rs_spb = comm.coefficients(f"reduce_scatter{on}", k, shard_link)
     if r > 1:
-        across = comm.group_link(cluster, size=r, stride=st.tp * k)
+        across = comm.group_link(cluster, dims.axis("dp_replicate"))
         ar_lat, ar_spb = comm.coefficients(f"all_reduce{on}", r, across)
         rs_lat, rs_spb = rs_lat + ar_lat, rs_spb + ar_spb / k
-    dp_link = comm.group_link(cluster, size=st.dp, stride=st.tp)
+    dp_link = comm.group_link(cluster, dims.axis("dp"))
     return gather, (rs_lat, rs_spb), comm.coefficients(f"all_reduce{on}", st.dp, dp_link)
 
 
@@ -421,13 +421,13 @@ def build_terms(
 ) -> Terms:
     """The coefficients for ``st``'s outer knobs (its layout is ignored)."""
     t = st.tp
-    tp_link = comm.group_link(cluster, size=t, stride=1)
+    tp_link = comm.group_link(cluster, st.dims.axis("tp"))
     blocks, embed, head = units or layer_units(profile, cluster, st, tp_layout)
     block_type = profile.layers[1]
     p, v, m = st.pp, st.virtual_stages, st.micro_batches
     p2p_bytes = st.micro_batch * st.seq * profile.hidden * profile.act_bytes / t  # scatter/gather: ÷t
-    pp_link = comm.group_link(cluster, size=p, stride=t * st.dp)
-    dp_link = comm.group_link(cluster, size=st.dp, stride=t)
+    pp_link = comm.group_link(cluster, st.dims.axis("pp"))
+    dp_link = comm.group_link(cluster, st.dims.axis("dp"))
     (lat, s_per_byte), (rs_lat, rs_s_per_byte), (ar_lat, ar_s_per_byte) = _dp_coefficients(cluster, st)
     ar_lat *= POWERSGD_LATENCY_FACTOR if st.powersgd_rank else 1  # a chain of 3 all-reduces per bucket
     wire = wire_bytes_per_param(profile, st)

@@ -43,6 +43,7 @@ from autopar.cost_models.kernels import is_stream_op
 from autopar.cost_models.terms import TPLayer, TPLayout
 from autopar.graph import CapturedModel, Layer
 from autopar.graph.dispatch import fused_attention
+from autopar.mesh import ParallelDims
 from autopar.passes.tp_graph import GraphIndex, index_graph
 from autopar.passes.tp_rules import (
     LINEAR_ARGS,
@@ -279,7 +280,7 @@ class LayerContext:
     t: int
     """TP degree."""
     link: GroupLink
-    """The TP group's link (``comm.group_link(cluster, size=t, stride=1)``)."""
+    """The TP group's link (``comm.group_link`` of a TP axis of t ranks)."""
     cluster: Cluster
     dtype: str
     outside: dict[str, str]
@@ -337,7 +338,7 @@ def layer_context(
     return LayerContext(
         nodes=nodes,
         t=t,
-        link=group_link(cluster, size=t, stride=1),
+        link=group_link(cluster, ParallelDims(tp=t).axis("tp")),
         cluster=cluster,
         dtype=dtype,
         outside=outside,

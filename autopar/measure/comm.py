@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from autopar.errors import AutoparError
 from autopar.measurements import GROUP_COLLECTIVES, CollectiveFit, CommProfile
+from autopar.mesh import partner
 
 Progress = Callable[[int, int, str], None]
 
@@ -303,7 +304,7 @@ def measure_comm(
                 False,
             )
     for crosses, stride in pairs:
-        peer = rank + stride if (rank // stride) % 2 == 0 else rank - stride
+        peer = partner(rank, stride)
         if peer >= world:
             raise AutoparError(f"send/recv pairs need an even count of {'nodes' if crosses else 'ranks'}")
         ping_pong = functools.partial(_run, "send_recv", n=2, group=None, peer=peer, device=device)

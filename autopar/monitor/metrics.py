@@ -70,9 +70,8 @@ def expert_figures(loads: dict[str, Any]) -> dict[str, float]:
 
 
 def stage_of_rank(pm: Any) -> int:
-    """The pipeline stage index of this rank's first stage (mesh (pp, dp, tp))."""
-    st = pm.plan.strategy
-    return dist.get_rank() // (st.dp * st.tp)
+    """The pipeline stage index of this rank's first stage."""
+    return pm.plan.strategy.dims.coordinate(dist.get_rank(), "pp")
 
 
 class Metrics:

@@ -57,7 +57,10 @@ def make_plan(
     best = replace(res.found[0], gap=res.gap)
     plan = to_plan(request.model_name, pricer, best, time.perf_counter() - start)
     validate_plan(
-        plan, world_size=request.cluster.world_size, blocks=base.blocks, capacity_bytes=request.capacity_bytes
+        plan,
+        world_size=request.cluster.world_size,
+        layer_names=base.layer_names,
+        capacity_bytes=request.capacity_bytes,
     )
     alternatives, hand = tuple(res.found[1:]), baselines(request, pricer)
     best_s = plan.predicted["step_time_s"]
@@ -153,19 +156,13 @@ def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) ->
         cluster=cluster.to_dict(),
         strategy=st,
         mesh=(("pp", st.pp), ("dp", st.dp), ("tp", st.tp)),
-        crosses_nodes=_crosses_nodes(st, cluster.gpus_per_node),
+        crosses_nodes=st.dims.crossing(cluster.gpus_per_node),
         stages=tuple(stages),
         predicted=est.to_dict(),
         solve_time_s=solve_time_s,
         optimality_gap=cand.gap,
         tensor_parallel=plan_tables(pricer.profiles, cluster, st),
     )
-
-
-def _crosses_nodes(st: Strategy, gpus_per_node: int) -> tuple[str, ...]:
-    """Mesh axes (pp, dp, tp; TP innermost) whose groups span more than one node."""
-    axes = (("pp", st.pp, st.tp * st.dp), ("dp", st.dp, st.tp), ("tp", st.tp, 1))
-    return tuple(name for name, size, stride in axes if size > 1 and size * stride > gpus_per_node)
 
 
 def _no_strategy(request: PlanRequest, *, blocks: int, heads: int | None, experts: int) -> InfeasibleError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from autopar.mesh import ParallelDims
 from autopar.request import PlanRequest
 from autopar.strategy import DDP_BUCKET_MB, runs_on_ddp
 
@@ -50,7 +51,7 @@ def _replicas(request: PlanRequest, *, tp: int, dp: int, zero: int) -> list[int]
         r = c.dp_replicate
         return [r] if r == 1 or (zero >= 2 and dp % r == 0 and dp // r >= 2) else []
     gpn = request.cluster.gpus_per_node
-    if zero < 2 or dp * tp <= gpn:
+    if zero < 2 or not ParallelDims(dp=dp, tp=tp).axis("dp").crosses_nodes(gpn):
         return [1]
     groups = [k for k in (gpn // tp, 2 * gpn // tp) if gpn % tp == 0 and 2 <= k < dp and dp % k == 0]
     return [1, *(dp // k for k in groups)]
@@ -70,7 +71,7 @@ def _powersgd_ranks(
     c, ddp = request.constraints, runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero, ep=ep) and reduce == "fp32"
     if c.powersgd_rank is not None:
         return [c.powersgd_rank] if c.powersgd_rank == 0 or ddp else []
-    crosses = dp * tp > request.cluster.gpus_per_node
+    crosses = ParallelDims(dp=dp, tp=tp).axis("dp").crosses_nodes(request.cluster.gpus_per_node)
     return [0, POWERSGD_RANK] if c.allow_lossy_comm and ddp and crosses else [0]
 
 
@@ -88,7 +89,8 @@ def _buckets(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int, ep: 
     c = request.constraints
     if c.bucket_mb is not None:
         return [c.bucket_mb]
-    return list(BUCKET_MBS) if dp * tp > request.cluster.gpus_per_node else [DDP_BUCKET_MB]
+    crosses = ParallelDims(dp=dp, tp=tp).axis("dp").crosses_nodes(request.cluster.gpus_per_node)
+    return list(BUCKET_MBS) if crosses else [DDP_BUCKET_MB]
 
 
 __all__ = ["BUCKET_MBS", "POWERSGD_RANK", "comm_knobs"]

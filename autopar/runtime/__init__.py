@@ -101,7 +101,7 @@ def parallelize(
     apply_outline_blocks(stages)
     apply_recompute(stages, plan)
     apply_compile(stages, plan)
-    tied = apply_tied_groups(stages, plan, mesh)
+    tied = apply_tied_groups(stages, plan, timeout_s)
     fsdp = apply_data_parallel(stages, plan, mesh, half)
     apply_materialize(stages, on_meta)
     kwargs = optimizer_kwargs if optimizer_kwargs is not None else {"lr": 1e-3}

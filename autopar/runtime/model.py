@@ -111,10 +111,8 @@ class ParallelModel:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel index: pipeline and TP ranks of one replica share data
-        (mesh (pp, dp, tp), TP innermost)."""
-        st = self.plan.strategy
-        return (dist.get_rank() // st.tp) % st.dp
+        """This rank's data-parallel index: pipeline and TP ranks of one replica share data."""
+        return self.plan.strategy.dims.coordinate(dist.get_rank(), "dp")
 
     def precision(self) -> contextlib.AbstractContextManager[Any]:
         """Autocast where it applies, and vocabulary-parallel cross-entropy on logits split over
@@ -130,8 +128,8 @@ class ParallelModel:
 
     def mean_loss(self, losses: list[torch.Tensor]) -> float:
         """The mean loss over all data-parallel replicas (each rank holding the last stage adds
-        its micro-batches' mean; the dp·tp of them divide)."""
-        st, dev = self.plan.strategy, local_device()  # NCCL: device tensors
+        its micro-batches' mean; the dp·tp ranks of that stage divide)."""
+        dev = local_device()  # NCCL: device tensors
         total = torch.zeros((), dtype=torch.float64, device=dev)
         for loss in losses:
             total += loss.detach().double()
@@ -143,7 +141,7 @@ class ParallelModel:
             self.last_expert_load = unpack_loads(both[1:], self.counted, tokens=self._step_tokens)
             if dist.get_rank() == 0 and (dropped := overflow_warning(self.last_expert_load)):
                 warnings.warn(dropped, stacklevel=3)
-        return float(both[0]) / (st.dp * st.tp)
+        return float(both[0]) / self.plan.strategy.dims.axis("stage").size
 
     def _start_counting(self, batch: torch.Tensor, kind: str) -> None:
         """Zero the expert counts before a step's first micro-batch (``runtime.expert_load``).
@@ -204,8 +202,7 @@ class ParallelModel:
         if self.scaler is not None:
             (opt,) = self.optimizer.optimizers
             self.scaler.unscale_(opt)  # step() then applies the unscaled gradients
-        st = self.plan.strategy
-        norm = grad_norm(self.stages, self.tied, stage_ranks=st.dp * st.tp)
+        norm = grad_norm(self.stages, self.tied, stage_ranks=self.plan.strategy.dims.axis("stage").size)
         clip_grads_(self.stages, max_norm, norm)
         return norm
 
@@ -234,10 +231,10 @@ class ParallelModel:
 
     def _from_every_stage(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Under a pipeline, every stage's entries on every rank (one rank of each stage shares)."""
-        st = self.plan.strategy
-        if st.pp == 1:
+        dims = self.plan.strategy.dims
+        if dims.pp == 1:
             return mine
-        share = mine if dist.get_rank() % (st.dp * st.tp) == 0 else {}
+        share = mine if dims.coordinate(dist.get_rank(), "stage") == 0 else {}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, share)
         return {k: v for part in gathered for k, v in part.items()}

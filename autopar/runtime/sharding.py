@@ -23,40 +23,31 @@ from autopar.plan import Plan
 from autopar.runtime.distributed import device_type, local_device
 from autopar.runtime.steps import Stages, compute_dtype
 
-HSDP_DIMS = ("dp_replicate", "dp_shard")
-"""The two mesh dims of an HSDP plan's data-parallel axis (torchtitan's names)."""
-EP_DIMS = ("edp", "ep")
-"""The two mesh dims of an expert-parallel plan's data-parallel axis: the ep ranks that split
-each MoE layer's experts, and the dp / ep ranks holding the same experts (ZeRO's group for them)."""
-
 
 def make_mesh(plan: Plan, timeout_s: float) -> Any:
-    """The (pp, dp, tp) device mesh of the plan's degrees; under HSDP dp is (dp_replicate,
-    dp_shard), flattened back into "dp" for what runs over the whole axis (data, loss). Every
-    group of it times out after ``timeout_s`` (torch would give each its backend's default)."""
+    """The device mesh of the plan's degrees (``ParallelDims.mesh_dims``: (pp, dp, tp), dp as
+    two dims under HSDP or EP, flattened back into "dp" for what runs over the whole axis: data,
+    loss, dense ZeRO). Every group of it times out after ``timeout_s`` (torch would give each
+    its backend's default)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    st = plan.strategy
-    if st.ep > 1:  # dp as (dp / ep, ep): the ep ranks of a group consecutive (EP_DIMS)
-        shape = (st.pp, st.dp // st.ep, st.ep, st.tp)
-        mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("pp", *EP_DIMS, "tp"))
-        mesh[EP_DIMS]._flatten("dp")
-    elif st.dp_replicate == 1:
-        mesh = init_device_mesh(device_type(), (st.pp, st.dp, st.tp), mesh_dim_names=("pp", "dp", "tp"))
-    else:
-        shape = (st.pp, st.dp_replicate, st.dp_shard, st.tp)
-        mesh = init_device_mesh(device_type(), shape, mesh_dim_names=("pp", *HSDP_DIMS, "tp"))
-        mesh[HSDP_DIMS]._flatten("dp")
+    dims = plan.strategy.dims
+    names, shape = zip(*dims.mesh_dims, strict=True)
+    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
+    for name, parts in dims.flattened.items():
+        mesh[parts]._flatten(name)
     timeout = datetime.timedelta(seconds=timeout_s)
-    for name in {*(mesh.mesh_dim_names or ()), "dp"}:
+    for name in (*names, *dims.flattened):
         mesh[name].get_group().set_timeout(timeout)
     return mesh
 
 
 def fsdp_mesh(plan: Plan, mesh: Any) -> Any:
-    """The mesh FSDP2 shards over: the DP axis, or its (replicate, shard) dims under HSDP (a 2-D
-    mesh is FSDP2's hybrid sharding: shard on the second dim, replicate on the first)."""
-    return mesh[HSDP_DIMS] if plan.strategy.dp_replicate > 1 else mesh["dp"]
+    """The mesh FSDP2 shards over (``ParallelDims.fsdp_dims``): the DP axis, or its (replicate,
+    shard) dims under HSDP (a 2-D mesh is FSDP2's hybrid sharding: shard on the second dim,
+    replicate on the first)."""
+    dims = plan.strategy.dims.fsdp_dims
+    return mesh[dims] if len(dims) > 1 else mesh[dims[0]]
 
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

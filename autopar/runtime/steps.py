@@ -8,6 +8,7 @@ pp = 1 the whole graph is the one stage.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -233,9 +234,10 @@ class TiedGroup:
     """The parameters themselves, once the stages are final (after FSDP2 replaced them)."""
 
 
-def apply_tied_groups(stages: Stages, plan: Plan, mesh: Any) -> list[TiedGroup]:
-    """pp > 1: one process group per set of pipeline ranks sharing parameters, per (dp, tp)
-    coordinate (every rank makes every group, in the same order; keeps those it belongs to)."""
+def apply_tied_groups(stages: Stages, plan: Plan, timeout_s: float) -> list[TiedGroup]:
+    """pp > 1: one process group per set of pipeline ranks sharing parameters, per rank of a
+    stage (every rank makes every group, in the same order; keeps those it belongs to), each
+    timing out after ``timeout_s`` as the mesh's do."""
     pp = plan.strategy.pp
     if pp == 1 or stages.gm is None:
         return []
@@ -245,14 +247,10 @@ def apply_tied_groups(stages: Stages, plan: Plan, mesh: Any) -> list[TiedGroup]:
         if len(ranks) > 1:
             by_ranks.setdefault(ranks, []).append(name)
     groups = []
-    layout = mesh.mesh  # (pp, dp, tp) tensor of global ranks
+    timeout = datetime.timedelta(seconds=timeout_s)
     for ranks, names in sorted(by_ranks.items()):
-        subgroups = [
-            [int(layout[k, d, t]) for k in ranks]
-            for d in range(layout.shape[1])
-            for t in range(layout.shape[2])
-        ]
-        mine, _ = dist.new_subgroups_by_enumeration(subgroups)
+        subgroups = plan.strategy.dims.groups("pp", along=ranks)  # one per rank of a stage
+        mine, _ = dist.new_subgroups_by_enumeration(subgroups, timeout=timeout)
         if mine is not None:
             groups.append(TiedGroup(names=names, group=mine))
     return groups

@@ -205,16 +205,18 @@ def family(
     vocab: int = 64,
     seq: int = 32,
     seed: int = 0,
+    **config: Any,
 ) -> nn.Module:
     """A tiny ``name`` model (``FAMILIES``) from its published architecture, unmodified, with
-    seeded random weights and dropout off."""
+    seeded random weights and dropout off; ``config``: more keys of its Hugging Face config
+    (``tie_word_embeddings=True``, say)."""
     import transformers
 
     table = _family_table(layers=layers, width=width, heads=heads, vocab=vocab, seq=seq)
     if name not in table:
         raise ValueError(f"no Hugging Face family {name!r}: one of {', '.join(table)}")
-    config, model_class, keys = table[name]
-    cfg = getattr(transformers, config)(**keys)
+    config_class, model_class, keys = table[name]
+    cfg = getattr(transformers, config_class)(**keys, **config)
     torch.manual_seed(seed)
     model: nn.Module = getattr(transformers, model_class)(cfg)
     return model

@@ -22,6 +22,7 @@ from autopar.measurements import (
     load_compute,
     write,
 )
+from autopar.mesh import Axis
 from autopar.planner import ModelProfiles
 from autopar.strategy import Strategy
 from autopar.zoo import GPT, GPTConfig
@@ -182,11 +183,11 @@ def test_a_profile_of_another_model_is_refused(profile) -> None:
 
 def test_measured_collectives_and_overlap(profile) -> None:
     link = comm.group_link(
-        Cluster.preset("cpu").from_profile(comm=comm_profile(a=1e-3, b=2e-9)), size=2, stride=1
+        Cluster.preset("cpu").from_profile(comm=comm_profile(a=1e-3, b=2e-9)), Axis("group", 2, 1)
     )
     assert comm.allreduce_time_s(1e6, 2, link) == pytest.approx(1e-3 + 2e-3)
     assert comm.p2p_time_s(1e6, link) == pytest.approx(1e-3 + 2e-3)
-    analytic = comm.group_link(Cluster.preset("cpu"), size=2, stride=1)
+    analytic = comm.group_link(Cluster.preset("cpu"), Axis("group", 2, 1))
     assert comm.allreduce_time_s(1e6, 2, analytic) == pytest.approx(2 * 50e-6 + 1e6 / 2e9)
     # group sizes not measured: alpha-beta, with a note
     four = Cluster.preset("cpu", gpus_per_node=4).from_profile(comm=comm_profile())

@@ -8,6 +8,7 @@ from autopar import Cluster
 from autopar.cost_models import closed_forms, comm
 from autopar.cost_models.compute import roofline_time_s
 from autopar.cost_models.memory import inflight_stage_copies, model_state_bytes
+from autopar.mesh import Axis
 
 
 @pytest.mark.parametrize(("zero", "gb"), [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -36,13 +37,13 @@ def test_ring_collectives_by_hand() -> None:
 
 def test_group_links_follow_the_topology() -> None:
     c = Cluster.preset("dgx-a100-80g", nodes=4)  # 230 GB/s NVLink, 200 GB/s per node
-    tp = comm.group_link(c, size=8, stride=1)
+    tp = comm.group_link(c, Axis("group", 8, 1))
     assert not tp.crosses_nodes and tp.bandwidth_bytes_per_s == 230e9
-    dp = comm.group_link(c, size=4, stride=8)  # one rank per node: 8 rings share each node's NICs
+    dp = comm.group_link(c, Axis("group", 4, 8))  # one rank per node: 8 rings share each node's NICs
     assert dp.crosses_nodes and dp.bandwidth_bytes_per_s == pytest.approx(200e9 / 8)
-    dp2 = comm.group_link(c, size=32, stride=1)  # all 8 GPUs of each node talk at once
+    dp2 = comm.group_link(c, Axis("group", 32, 1))  # all 8 GPUs of each node talk at once
     assert dp2.crosses_nodes and dp2.bandwidth_bytes_per_s == pytest.approx(200e9 / 8)
-    assert not comm.group_link(c, size=2, stride=4).crosses_nodes
+    assert not comm.group_link(c, Axis("group", 2, 4)).crosses_nodes
 
 
 def test_inflight_micro_batches_per_schedule() -> None:

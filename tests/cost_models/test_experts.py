@@ -14,6 +14,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models import comm
 from autopar.cost_models.estimate import estimate
 from autopar.cost_models.experts import COUNT_BYTES, expert_factors
+from autopar.mesh import Axis
 from autopar.planner import ModelProfiles
 from autopar.strategy import Strategy, StrategyError, check_strategy
 from autopar.zoo import hf
@@ -33,7 +34,7 @@ def _cluster(gpus: int = 4) -> Cluster:
 
 
 def test_all_to_all_is_the_pairwise_exchange() -> None:
-    link = comm.group_link(_cluster(), size=4, stride=1)
+    link = comm.group_link(_cluster(), Axis("group", 4, 1))
     a, beta = link.latency_s, link.bandwidth_bytes_per_s
     assert comm.all_to_all_time_s(1e6, 4, link) == pytest.approx(3 * a + 3 / 4 * 1e6 / beta)
     assert comm.all_to_all_time_s(1e6, 1, link) == 0.0
@@ -53,7 +54,7 @@ def test_ep2_prices_the_all_to_alls_and_splits_the_experts() -> None:
     st = Strategy(dp=4, ep=2, zero=1, micro_batch=2, global_batch=16, seq=SEQ, dtype="fp32")
     one, two = estimate(profile, cluster, replace(st, ep=1)), estimate(profile, cluster, st)
     block = profile.layer_types["MixtralDecoderLayer"]
-    link = comm.group_link(cluster, size=2, stride=1)
+    link = comm.group_link(cluster, Axis("group", 2, 1))
     a2a = functools.partial(comm.all_to_all_time_s, n=2, link=link)
     per_block = a2a(COUNT_BYTES * 4) + 2 * a2a(block.a2a_bytes / 2) + 2 * a2a(block.a2a_bytes / 2)
     m = st.micro_batches
@@ -130,7 +131,7 @@ def test_an_expert_skew_slows_the_busiest_rank_by_its_extra_rows() -> None:
     (u1, _, _), (u2, _, _) = layer_units(profile, cluster, base), layer_units(profile, cluster, skewed)
     assert u2["none"].fwd_s - u1["none"].fwd_s == pytest.approx(0.5 * even)
     assert u2["none"].bwd_compute_s - u1["none"].bwd_compute_s == pytest.approx(2 * 0.5 * even)
-    link = comm.group_link(cluster, size=2, stride=1)
+    link = comm.group_link(cluster, Axis("group", 2, 1))
     rows = 2 * (
         comm.all_to_all_time_s(1.5 * lc.a2a_bytes / 2, 2, link)
         - comm.all_to_all_time_s(lc.a2a_bytes / 2, 2, link)

@@ -10,9 +10,10 @@ from autopar.cost_models.comm import group_link
 from autopar.cost_models.compute import layer_forward_s
 from autopar.cost_models.profile import LayerCost, OpCost
 from autopar.cost_models.tp import collective_time_s, reshard
+from autopar.mesh import Axis
 from autopar.passes.tp_rules import RF
 
-LINK = group_link(Cluster.preset("dgx-a100-80g"), size=8, stride=1)
+LINK = group_link(Cluster.preset("dgx-a100-80g"), Axis("group", 8, 1))
 SIZE = 25_165_824  # one (s, h) bf16 activation of the 22B model: 2048 · 6144 · 2 bytes
 
 

@@ -46,7 +46,12 @@ def test_every_world_plans_or_says_nothing_fits(profiles, gpus_per_node: int) ->
         except InfeasibleError as e:
             assert str(e).startswith("no strategy fits") and "\n" not in str(e), (nodes, str(e))
             continue
-        validate_plan(plan, world_size=cluster.world_size, blocks=4, capacity_bytes=request.capacity_bytes)
+        validate_plan(
+            plan,
+            world_size=cluster.world_size,
+            layer_names=profiles.base.layer_names,
+            capacity_bytes=request.capacity_bytes,
+        )
         planned.append(cluster.world_size)
     if gpus_per_node == 1:  # 3 and 6 GPUs run 3-stage pipelines (they crashed the planner)
         assert {1, 2, 3, 4, 6, 8, 16} <= set(planned), planned
@@ -84,3 +89,31 @@ def test_replan_for_every_node_size(tmp_path, capsys, gpus_per_node: int) -> Non
         assert json.loads(out)["new"]["strategy"]["tp"] * json.loads(out)["new"]["strategy"]["pp"] >= 1
     else:
         assert code == 2 and "error: no strategy fits" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_validate_plan_checks_stage_order_with_real_errors(profiles) -> None:
+    """A plan whose stages hold the model's layers out of order, or a block twice, is refused
+    with ``PlanInvariantError`` (``python -O`` keeps it; the old check let any order through)."""
+    from dataclasses import replace
+
+    from autopar.errors import PlanInvariantError
+
+    with torch.device("meta"):
+        request = PlanRequest(
+            model=example_gpt(),
+            cluster=Cluster.preset("cpu", nodes=3, gpus_per_node=1),
+            global_batch=BATCH,
+            seq=SEQ,
+        )
+    plan = make_plan(request, profiles).plan
+    names, cap = profiles.base.layer_names, request.capacity_bytes
+    assert plan.strategy.pp == 3
+    validate_plan(plan, world_size=3, layer_names=names, capacity_bytes=cap)
+    first, second = plan.stages[0], plan.stages[1]
+    swapped = (replace(first, layers=second.layers), replace(second, layers=first.layers), *plan.stages[2:])
+    reversed_first = (replace(first, layers=first.layers[::-1]), *plan.stages[1:])
+    for stages, why in ((swapped, "in model order"), (reversed_first, "in model order")):
+        with pytest.raises(PlanInvariantError, match=why):
+            validate_plan(replace(plan, stages=stages), world_size=3, layer_names=names, capacity_bytes=cap)
+    with pytest.raises(PlanInvariantError, match="not the cluster's 4 GPUs"):
+        validate_plan(plan, world_size=4, layer_names=names, capacity_bytes=cap)
