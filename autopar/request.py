@@ -4,77 +4,36 @@ CLI or a benchmark) and handed to the planner whole."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, make_dataclass
+from typing import TYPE_CHECKING, Any
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
+from autopar.knobs import constraint_fields, constraint_problem
 
 if TYPE_CHECKING:
     from torch import nn
 
 from autopar.recompute_policy import ALLOWED_RECOMPUTE, is_recompute_name
-from autopar.strategy import (
-    COMPILE,
-    DTYPES,
-    GRAD_REDUCE,
-    SCHEDULES,
-    TP_OBJECTIVES,
-)
+from autopar.strategy import DTYPES, Strategy
+
+_Fixed: Any = make_dataclass("_Fixed", constraint_fields(Strategy), frozen=True, kw_only=True)
+"""A field per knob the user may fix (``Knob.fixable``), made from ``Strategy``'s declarations:
+``T | None``, None letting the planner pick (``Knob.free``: the value kept unless told)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class Constraints:
-    """What the user fixed or forbade; None means free."""
+class Constraints(_Fixed):
+    """What the user fixed or forbade; None means free: a field per knob of ``Strategy`` the user
+    may fix (``Constraints(tp=8, zero=1)``; the knob's ``Strategy`` field documents it, its
+    ``Knob`` says whether it is fixable: ``autopar.knobs``), and the planner's own limits:"""
 
-    tp: int | None = None
-    """Fix the tensor-parallel degree."""
-    pp: int | None = None
-    """Fix the pipeline-parallel degree."""
-    dp: int | None = None
-    """Fix the data-parallel degree."""
-    zero: int | None = None
-    """Fix the ZeRO stage."""
-    micro_batch: int | None = None
-    """Fix the micro-batch size."""
-    schedule: str | None = None
-    """Fix the schedule (gpipe, 1f1b, interleaved, interleaved-zb, zbv, dualpipev)."""
-    virtual_stages: int | None = None
-    """Fix v, the chunks per rank of a multi-chunk schedule."""
-    sequence_parallel: bool | None = None
-    """Force sequence parallelism on or off."""
-    tp_objective: str | None = None
-    """Fix what the per-operator TP choice minimises: ``time`` or ``memory`` (None: both are
-    priced where their layouts differ)."""
     recompute: tuple[str, ...] = ALLOWED_RECOMPUTE
     """Recompute choices allowed per block: none, selective, full, ``sac`` (every per-operator
     policy the planner finds for the model) or single policies (``sac2``)."""
-    grad_reduce: str | None = None
-    """Fix the dtype of the data-parallel gradient reduction (fp32 or bf16; None: the planner
-    picks, bf16 only where it loses nothing the plan keeps or ``allow_lossy_comm``)."""
     allow_lossy_comm: bool = False
     """Let the planner pick communication knobs that drop precision the plan's dtype keeps
     (``Strategy.lossy_comm``: bf16 gradient reduction of an fp32 or fp16 plan, PowerSGD)."""
-    powersgd_rank: int | None = None
-    """Fix PowerSGD's rank (``Strategy.powersgd_rank``; 0: off). None: the planner prices
-    rank 4 on DDP plans whose DP axis leaves the node, only with ``allow_lossy_comm``."""
-    dp_replicate: int | None = None
-    """Fix HSDP's replica count (``Strategy.dp_replicate``; 1: no HSDP). None: the planner
-    prices flat ZeRO-2/3 and shard groups of one and two nodes' data-parallel ranks."""
-    bucket_mb: float | None = None
-    """Fix DDP's gradient bucket cap in MiB on plans that run on DDP (``Strategy.bucket_mb``).
-    None: torch's 25, and 100 and 400 priced too where DDP's all-reduce leaves the node."""
-    ep: int | None = None
-    """Fix the expert-parallel degree (``Strategy.ep``; 1: experts replicated). None: the planner
-    prices every ep dividing dp and the model's routed experts (tp = 1)."""
-    expert_skew: float = 1.0
-    """The experts' load imbalance the plans are priced with (``Strategy.expert_skew``): routed
-    rows on the busiest expert-parallel rank over an even share; 1 (balanced) by default."""
-    compile: str | None = "off"
-    """Fix how the plan compiles (``Strategy.compile``: off or block). None: the planner prices
-    both and keeps the faster; off by default, as compiling costs minutes of warm-up and a
-    model with graph breaks compiles in pieces."""
     memory_cap_bytes: float | None = None
     """Plan for at most this much memory per GPU (below the device's)."""
     max_micro_batch: int = 16
@@ -83,41 +42,16 @@ class Constraints:
     """Memory kept back per GPU (default: 1 GiB context + 5% for fragmentation)."""
 
     def __post_init__(self) -> None:
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise AutoparError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.grad_reduce is not None and self.grad_reduce not in GRAD_REDUCE:
-            raise AutoparError(
-                f"grad_reduce must be one of {', '.join(GRAD_REDUCE)}, got {self.grad_reduce!r}"
-            )
-        if self.compile is not None and self.compile not in COMPILE:
-            raise AutoparError(f"compile must be one of {', '.join(COMPILE)} or None, got {self.compile!r}")
-        for name, least in (("powersgd_rank", 0), ("ep", 1), ("dp_replicate", 1)):
-            k = getattr(self, name)
-            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < least):
-                kind = "non-negative" if least == 0 else "positive"
-                raise AutoparError(f"{name} must be a {kind} integer, got {k!r}")
-        self._check_numbers()
+        if why := constraint_problem(Strategy, self):  # each fixed knob's type, bounds, choices
+            raise AutoparError(why)
         r = self.dp_replicate
         if r is not None and r > 1 and self.zero is not None and self.zero < 2:
             raise AutoparError(f"HSDP (dp_replicate {r}) shards with ZeRO-2 or 3, not ZeRO-{self.zero}")
-        if self.tp_objective is not None and self.tp_objective not in TP_OBJECTIVES:
-            raise AutoparError(
-                f"tp_objective must be one of {', '.join(TP_OBJECTIVES)}, got {self.tp_objective!r}"
-            )
         if not self.recompute or not all(isinstance(r, str) and is_recompute_name(r) for r in self.recompute):
             raise AutoparError(
                 f"recompute takes a non-empty subset of {', '.join(ALLOWED_RECOMPUTE)} or policy names "
                 f"(sac1, sac2, …), got {self.recompute!r}"
             )
-
-    def _check_numbers(self) -> None:
-        """The real-valued knobs: skew, bucket size, memory cap and reserve."""
-        s = self.expert_skew
-        if isinstance(s, bool) or not isinstance(s, int | float) or not 1 <= s < math.inf:
-            raise AutoparError(f"expert_skew must be a number ≥ 1 (1: balanced experts), got {s!r}")
-        b = self.bucket_mb
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int | float) or not 0 < b < math.inf):
-            raise AutoparError(f"bucket_mb must be a positive number of MiB, got {b!r}")
         if self.memory_cap_bytes is not None and not self.memory_cap_bytes > 0:
             raise AutoparError(f"memory_cap_bytes must be positive, got {self.memory_cap_bytes!r}")
         if self.reserve_bytes is not None and not self.reserve_bytes >= 0:

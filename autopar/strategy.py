@@ -6,12 +6,12 @@ line why a strategy is impossible for a model on a cluster.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Any
 
 from autopar.errors import StrategyError
+from autopar.knobs import field_problem, knob
 from autopar.mesh import ParallelDims
 from autopar.recompute_policy import RECOMPUTE, RecomputePolicy
 
@@ -41,73 +41,100 @@ follow their inputs): what plans show per module."""
 class Strategy:
     """One parallel training configuration (what a plan decides)."""
 
-    tp: int = 1
+    tp: int = knob(1, kind=int, least=1, help="tensor-parallel degree")
     """Tensor-parallel degree (innermost mesh axis, inside a node when it fits)."""
-    pp: int = 1
+    pp: int = knob(1, kind=int, least=1, help="pipeline-parallel degree")
     """Pipeline-parallel degree (stages)."""
-    dp: int = 1
+    dp: int = knob(1, kind=int, least=1, help="data-parallel degree", derived="the GPUs tp·pp leave")
     """Data-parallel degree."""
-    zero: int = 0
+    zero: int = knob(0, kind=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     """ZeRO stage 0–3 over the data-parallel axis."""
-    micro_batch: int = 1
+    micro_batch: int = knob(1, kind=int, least=1, help="micro-batch size (sequences)")
     """Sequences per micro-batch (b)."""
-    global_batch: int = 1
+    global_batch: int = knob(1, kind=int, least=1, fixable=False, help="sequences per step")
     """Sequences per optimizer step (B); B = dp · b · m."""
-    seq: int = 2048
+    seq: int = knob(2048, kind=int, least=1, fixable=False, help="sequence length")
     """Sequence length (s)."""
-    recompute: str = "none"
+    recompute: str = knob("none", kind=str, fixable=False, help="recompute of every block")
     """Activation recomputation of every block (when there is no ``layout``): none, selective
     (the attention core, Korthikanti et al. 2022), full, or one of ``policies`` by name."""
-    schedule: str = "1f1b"
+    schedule: str = knob("1f1b", kind=str, choices=SCHEDULES, help="pipeline schedule")
     """Pipeline schedule: gpipe, 1f1b, interleaved (1F1B over v chunks per rank), interleaved-zb
     (zero bubble ZB1P over v chunks; v = 1 is ZB-H1), zbv or dualpipev (zero bubble, two chunks
     per rank in a V)."""
-    virtual_stages: int = 1
+    virtual_stages: int = knob(
+        1,
+        kind=int,
+        least=1,
+        help="model chunks per pipeline rank (v)",
+        derived="2 under a multi-chunk schedule, else 1",
+    )
     """Model chunks per pipeline rank (v); > 1 only with a multi-chunk schedule (``MULTI_CHUNK``),
     exactly 2 in a V (``V_SHAPE``)."""
-    sequence_parallel: bool = False
+    sequence_parallel: bool = knob(False, kind=bool, help="sequence parallelism")
     """Megatron sequence parallelism on the TP axis (norms and dropout sharded by sequence)."""
-    dtype: str = "bf16"
+    dtype: str = knob("bf16", kind=str, choices=DTYPES, fixable=False, help="compute dtype")
     """Compute dtype; bf16/fp16 keep fp32 master weights and Adam states."""
-    grad_reduce: str = "fp32"
+    grad_reduce: str = knob("fp32", kind=str, choices=GRAD_REDUCE, help="dtype gradients are reduced in")
     """Dtype of the data-parallel gradient reduction (all-reduce, reduce-scatter): fp32, or bf16
     (half the bytes on the wire: DDP's ``bf16_compress_hook``, FSDP2's ``reduce_dtype``). On a
     bf16 plan each rank's gradient is rounded to the precision it was computed in; on an fp32
     or fp16 plan bf16 drops mantissa bits the plan keeps (``lossy_comm``)."""
-    powersgd_rank: int = 0
+    powersgd_rank: int = knob(0, kind=int, least=0, help="PowerSGD rank on a DDP plan (0: off; lossy)")
     """PowerSGD gradient compression at this rank (Vogels et al. 2019), through DDP's
     ``powerSGD_hook``: each gradient matrix (n × m) is all-reduced as two rank-r factors,
     r·(n + m) numbers instead of n·m, with error feedback (what compression dropped is added to
     the next step's gradient); vectors are all-reduced whole. 0: off. DDP plans only (tp = pp =
     1, ZeRO 0–1, fp32 reduction); always lossy (``lossy_comm``)."""
-    ep: int = 1
+    ep: int = knob(
+        1, kind=int, least=1, help="expert-parallel degree (MoE experts split over data-parallel ranks)"
+    )
     """Expert-parallel degree: each MoE layer's routed experts split over ep consecutive ranks of
     the data-parallel axis, rows sent to their expert's rank and back by all-to-all; the expert
     weights' ZeRO group is the dp / ep ranks holding the same experts (torchtitan's, Megatron's).
     1: experts replicated like every other weight."""
-    expert_skew: float = 1.0
+    expert_skew: float = knob(
+        1.0,
+        kind=float,
+        least=1,
+        free=1.0,
+        help="MoE load imbalance priced: busiest EP rank's rows over an even share",
+    )
     """Routed rows the busiest expert-parallel rank receives over an even share (1: balanced,
     what a router's load-balancing loss aims at; at most ep: every row to one rank). Prices the
     experts' compute and the all-to-alls of ep > 1 plans (``cost_models.experts``); it changes
     nothing that runs. Set it from router statistics (``train_step``'s per-expert counts)."""
-    dp_replicate: int = 1
+    dp_replicate: int = knob(
+        1, kind=int, least=1, help="HSDP replica groups (ZeRO-2/3 shards within each; 1: none)"
+    )
     """Hybrid sharding (HSDP): the data-parallel axis as ``dp_replicate`` groups of
     ``dp_shard`` = dp / dp_replicate consecutive ranks; ZeRO shards the model states within a
     group (inside a node when dp_shard · tp fits one), gradients are reduce-scattered within it
     and all-reduced across the groups (FSDP2 on a 2-D (replicate, shard) mesh; Zhao et al.
     2023, "PyTorch FSDP" §3.2.2). 1: every state sharded over all dp ranks. ZeRO-2/3 only."""
-    bucket_mb: float = DDP_BUCKET_MB
+    bucket_mb: float = knob(
+        DDP_BUCKET_MB, kind=float, least=0, unit="MiB", help="DDP gradient bucket cap in MiB on a DDP plan"
+    )
     """DDP's gradient bucket cap in MiB (``bucket_cap_mb``; ZeRO 0–1 plans that run the model as
     written): backward's gradients are all-reduced a bucket at a time as each fills, so fewer,
     larger buckets pay the all-reduce's latency fewer times, and smaller ones leave less to
     reduce after backward ends (the last bucket). torch's default 25 on every other plan
     (FSDP2 reduces per block)."""
-    compile: str = "off"
+    compile: str = knob(
+        "off",
+        kind=str,
+        choices=COMPILE,
+        free="off",
+        auto=True,
+        help="compilation (off: eager; block: torch.compile each block)",
+    )
     """``off``: eager kernels, as written. ``block``: regional compilation, each block compiled
     by ``torch.compile`` (inductor) after recompute wrapping and before data-parallel sharding,
     as torchtitan does; the cost model then prices each chain of elementwise and reduction ops
     between two matmuls as one fused kernel (``cost_models.profile.fusion_groups``)."""
-    tp_objective: str = "time"
+    tp_objective: str = knob(
+        "time", kind=str, choices=TP_OBJECTIVES, help="what the per-operator TP choice minimises"
+    )
     """What the per-operator TP choice minimises (tp > 1): ``time``, the fastest layout, or
     ``memory``, the fastest of the leanest (e.g. a large embedding split by vocabulary where
     keeping it whole would save its collective)."""
@@ -122,61 +149,28 @@ class Strategy:
     checkpointing), after none, selective and full."""
 
     def __post_init__(self) -> None:
-        positive = (
-            "tp",
-            "pp",
-            "dp",
-            "ep",
-            "micro_batch",
-            "global_batch",
-            "seq",
-            "virtual_stages",
-            "dp_replicate",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise StrategyError(f"{name} must be a positive integer, got {value!r}")
-        if self.zero not in (0, 1, 2, 3):
-            raise StrategyError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if why := field_problem(Strategy, self):  # each knob's type, bounds and choices
+            raise StrategyError(why)
         names = [p.name for p in self.policies]
         if len(set(names)) != len(names):
             raise StrategyError(f"recompute policies must have distinct names, got {names}")
-        for name, allowed in (
-            ("recompute", self.choices),
-            ("schedule", SCHEDULES),
-            ("tp_objective", TP_OBJECTIVES),
-            ("dtype", DTYPES),
-            ("grad_reduce", GRAD_REDUCE),
-            ("compile", COMPILE),
-        ):
-            if getattr(self, name) not in allowed:
-                raise StrategyError(
-                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
-                )
+        if self.recompute not in self.choices:
+            raise StrategyError(f"recompute must be one of {', '.join(self.choices)}, got {self.recompute!r}")
         self._check_batch_and_layout()
         self._check_comm_knobs()
 
     def _check_comm_knobs(self) -> None:
         """PowerSGD, DDP's bucket size and HSDP fit the plan's data-parallel runtime."""
-        k, mb = self.powersgd_rank, self.bucket_mb
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise StrategyError(f"powersgd_rank must be a non-negative integer, got {self.powersgd_rank!r}")
         if self.powersgd_rank and not (self.uses_ddp and self.grad_reduce == "fp32"):
             raise StrategyError(
                 f"PowerSGD (rank {self.powersgd_rank}) compresses DDP's fp32 gradient all-reduce: it "
                 "needs dp > 1, tp = pp = 1, ZeRO 0 or 1 and --grad-reduce fp32"
             )
-        if isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 < mb < math.inf:
-            raise StrategyError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
         if self.bucket_mb != DDP_BUCKET_MB and not self.uses_ddp:
             raise StrategyError(
                 f"bucket_mb {self.bucket_mb:g} sizes DDP's gradient buckets: it needs a plan on DDP "
                 "(dp > 1, tp = pp = 1, ZeRO 0 or 1); FSDP2 reduces each block's gradients at once"
             )
-        skew = self.expert_skew
-        if isinstance(skew, bool) or not isinstance(skew, int | float) or not 1 <= skew < math.inf:
-            raise StrategyError(f"expert_skew must be a number ≥ 1 (1: balanced experts), got {skew!r}")
         if self.ep > 1 and (self.dp % self.ep or self.dp_replicate > 1):
             raise StrategyError(
                 f"ep {self.ep} takes its ranks from the data-parallel axis: it must divide dp = {self.dp}, "

@@ -23,6 +23,7 @@ LAYERS = [
         "autopar.measurements",
         "autopar.cluster",
         "autopar.recompute_policy",
+        "autopar.knobs",
         "autopar.mesh",
         "autopar.strategy",
     ),

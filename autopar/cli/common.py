@@ -7,20 +7,17 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 from typing import Any
 
 from rich.console import Console
 
 from autopar.errors import AutoparError
+from autopar.knobs import Knob, knobs
 from autopar.plan import Plan
 from autopar.recompute_policy import ALLOWED_RECOMPUTE, is_recompute_name
 from autopar.request import Constraints
-from autopar.strategy import (
-    COMPILE,
-    GRAD_REDUCE,
-    SCHEDULES,
-    TP_OBJECTIVES,
-)
+from autopar.strategy import Strategy
 
 MODEL_HELP = "zoo name, path/to/file.py:factory or pkg.mod:factory"
 CLUSTER_HELP = "preset name (see `autopar clusters`) or YAML file"
@@ -64,14 +61,6 @@ def positive_float(text: str) -> float:
     return _number(text, allow_zero=False)
 
 
-def skew_factor(text: str) -> float:
-    """argparse type: a finite number ≥ 1 (an imbalance: the busiest share over an even one)."""
-    value = _number(text, allow_zero=False)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number ≥ 1 (1: balanced), got {text}")
-    return value
-
-
 def non_negative_float(text: str) -> float:
     """argparse type: a non-negative finite number (memory kept back)."""
     return _number(text, allow_zero=True)
@@ -81,58 +70,79 @@ def add_json_flag(p: argparse.ArgumentParser, what: str = "a table") -> None:
     p.add_argument("--json", action="store_true", help=f"print JSON instead of {what}")
 
 
-def add_skew_flag(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
-    g.add_argument(
-        "--expert-skew",
-        type=skew_factor,
-        default=1.0,
-        help="MoE load imbalance to price expert-parallel plans with: routed rows on the busiest EP "
-        "rank over an even share (default 1: balanced)",
+def _flag_type(k: Knob) -> dict[str, Any]:
+    """argparse's ``type``/``choices``/``action`` for a knob (``autopar.knobs.Knob``)."""
+    if k.kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if k.choices:
+        return {"type": k.kind, "choices": list(k.choices)}
+    if k.kind is int:
+        return {"type": non_negative_int if k.least == 0 else positive}
+    if k.least == 0:
+        return {"type": positive_float}
+    if k.least is not None:
+        least = k.least
+        return {"type": lambda text: _at_least(text, least)}
+    return {"type": float}
+
+
+def _at_least(text: str, least: float) -> float:
+    """argparse type: a finite number ≥ ``least``."""
+    value = _number(text, allow_zero=False)
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a number ≥ {least:g}, got {text}")
+    return value
+
+
+def add_knob_flags(g: Any, *, fixing: bool, cls: type = Strategy) -> None:
+    """A flag per knob the user may fix (``Knob.fixable``), made from ``Strategy``'s
+    declarations: ``fixing`` (``plan``, ``verify``): default None, the planner picks (``auto``
+    where the knob has a value it keeps unless told); else (``estimate``): the field's default,
+    or what ``Strategy.for_world`` derives. ``cls``: whose knobs (``Strategy``'s)."""
+    defaults = {f.name: f.default for f in fields(cls)}
+    for name, k in knobs(cls).items():
+        if not k.fixable:
+            continue
+        kw = _flag_type(k)
+        if fixing and k.auto:
+            kw["choices"] = [*kw["choices"], "auto"]
+            help_text, default = f"{k.help} (default {k.free}; auto: the planner picks)", k.free
+        elif fixing:
+            default = k.free
+            help_text = f"fix the {k.help} (default: " + (
+                "the planner picks)" if k.free is None else f"{k.free:g})"
+            )
+        else:
+            default = None if k.derived else defaults[name]
+            help_text = f"{k.help} (default: {k.derived or _shown(defaults[name])})"
+        g.add_argument(
+            f"--{name.replace('_', '-')}", default=default, help=help_text.replace("%", "%%"), **kw
+        )
+
+
+def _shown(value: Any) -> str:
+    """A default as --help shows it."""
+    return (
+        ("on" if value else "off")
+        if isinstance(value, bool)
+        else f"{value:g}"
+        if isinstance(value, float)
+        else str(value)
     )
+
+
+def knob_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The knob flags' values (``add_knob_flags``) by field name; ``auto`` → None."""
+    return {
+        name: None if getattr(args, name) == "auto" else getattr(args, name)
+        for name, k in knobs(Strategy).items()
+        if k.fixable
+    }
 
 
 def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
     """The plan knobs `autopar plan` and `autopar verify` share (None: the planner chooses)."""
-    g.add_argument("--tp", type=positive, default=None, help="fix the tensor-parallel degree")
-    g.add_argument("--pp", type=positive, default=None, help="fix the pipeline-parallel degree")
-    g.add_argument("--dp", type=positive, default=None, help="fix the data-parallel degree")
-    g.add_argument(
-        "--ep",
-        type=positive,
-        default=None,
-        help="fix the expert-parallel degree: each MoE layer's experts split over this many of the "
-        "data-parallel ranks (1: replicated; default: the planner picks)",
-    )
-    add_skew_flag(g)
-    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="fix the ZeRO stage")
-    g.add_argument("--micro-batch", type=positive, default=None, help="fix the micro-batch size")
-    g.add_argument("--schedule", choices=list(SCHEDULES), default=None)
-    g.add_argument("--virtual-stages", type=positive, default=None, help="fix v (chunks per rank)")
-    g.add_argument(
-        "--sequence-parallel",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="force sequence parallelism on or off",
-    )
-    g.add_argument(
-        "--tp-objective",
-        choices=TP_OBJECTIVES,
-        default=None,
-        help="what the per-operator TP choice minimises (default: the planner prices both)",
-    )
-    g.add_argument(
-        "--dp-replicate",
-        type=positive,
-        default=None,
-        help="HSDP: replicate the model states over this many groups of the data-parallel ranks, "
-        "ZeRO-sharded within each (1: no HSDP; default: the planner picks)",
-    )
-    add_grad_reduce_flag(g, "fix the dtype gradients are reduced in (default: the planner picks)")
-    add_powersgd_flag(g, "fix PowerSGD's rank (0: off; default: the planner picks, with --allow-lossy-comm)")
-    add_bucket_flag(
-        g, "fix DDP's gradient bucket cap in MiB on plans that run on DDP (default: the planner picks)"
-    )
-    add_compile_flag(g, auto=True)
+    add_knob_flags(g, fixing=True)
     g.add_argument(
         "--allow-lossy-comm",
         action="store_true",
@@ -144,35 +154,6 @@ def add_constraint_flags(g: argparse._ArgumentGroup) -> None:
         default=",".join(ALLOWED_RECOMPUTE),
         help="recompute choices allowed per block, comma-separated: none, selective, full, sac (every "
         "per-operator policy) or one policy such as sac2 (default none,selective,sac,full)",
-    )
-
-
-def add_grad_reduce_flag(g: Any, help_text: str, default: str | None = None) -> None:
-    """--grad-reduce: the dtype of the data-parallel gradient reduction."""
-    g.add_argument("--grad-reduce", choices=GRAD_REDUCE, default=default, help=help_text)
-
-
-def add_powersgd_flag(g: Any, help_text: str, default: int | None = None) -> None:
-    """--powersgd-rank: DDP's PowerSGD gradient compression (lossy)."""
-    g.add_argument("--powersgd-rank", type=non_negative_int, default=default, help=help_text)
-
-
-def add_bucket_flag(g: Any, help_text: str, default: float | None = None) -> None:
-    """--bucket-mb: DDP's gradient bucket cap (``Strategy.bucket_mb``)."""
-    g.add_argument("--bucket-mb", type=positive_float, default=default, help=help_text)
-
-
-def add_compile_flag(g: Any, *, auto: bool) -> None:
-    """--compile: eager, or each block compiled by torch.compile (``Strategy.compile``); with
-    ``auto`` (the planner's flags) also ``auto``: the planner prices both."""
-    choices = [*COMPILE, "auto"] if auto else list(COMPILE)
-    g.add_argument(
-        "--compile",
-        choices=choices,
-        default="off",
-        help="off: eager kernels; block: torch.compile each block (fused kernels priced)"
-        + ("; auto: the planner picks" if auto else "")
-        + " (default off)",
     )
 
 
@@ -191,25 +172,7 @@ def constraints_from_args(args: argparse.Namespace, **extra: Any) -> Constraints
             f"names (sac1, sac2, …), got {args.recompute!r}"
         )
     return Constraints(
-        tp=args.tp,
-        pp=args.pp,
-        dp=args.dp,
-        ep=args.ep,
-        expert_skew=args.expert_skew,
-        zero=args.zero,
-        micro_batch=args.micro_batch,
-        schedule=args.schedule,
-        virtual_stages=args.virtual_stages,
-        sequence_parallel=args.sequence_parallel,
-        tp_objective=args.tp_objective,
-        recompute=allowed,
-        grad_reduce=args.grad_reduce,
-        dp_replicate=args.dp_replicate,
-        powersgd_rank=args.powersgd_rank,
-        bucket_mb=args.bucket_mb,
-        compile=None if args.compile == "auto" else args.compile,
-        allow_lossy_comm=args.allow_lossy_comm,
-        **extra,
+        **knob_values(args), recompute=allowed, allow_lossy_comm=args.allow_lossy_comm, **extra
     )
 
 

@@ -14,21 +14,17 @@ from autopar.cli.common import (
     CLUSTER_HELP,
     DTYPES,
     MODEL_HELP,
-    add_bucket_flag,
-    add_compile_flag,
-    add_grad_reduce_flag,
     add_json_flag,
+    add_knob_flags,
     add_measured_flags,
-    add_powersgd_flag,
-    add_skew_flag,
     count,
+    knob_values,
     non_negative_float,
     positive,
     print_json,
     progress,
 )
 from autopar.recompute_policy import RECOMPUTE, SAC, is_recompute_name
-from autopar.strategy import DDP_BUCKET_MB, SCHEDULES, TP_OBJECTIVES
 from autopar.units import format_bytes, format_si
 
 
@@ -55,15 +51,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     p.add_argument("--nodes", type=positive, default=None, help="number of nodes (default 1)")
-    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel degree (default 1)")
-    p.add_argument("--pp", type=positive, default=1, help="pipeline-parallel degree (default 1)")
-    p.add_argument("--dp", type=positive, default=None, help="data-parallel degree (default: the rest)")
-    p.add_argument(
-        "--ep", type=positive, default=1, help="expert-parallel degree, within dp (MoE models; default 1)"
-    )
-    add_skew_flag(p)
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (default 0)")
-    p.add_argument("--micro-batch", type=positive, default=1, help="sequences per micro-batch")
+    add_knob_flags(p, fixing=False)
     p.add_argument("--global-batch", type=positive, required=True, help="sequences per step")
     p.add_argument("--seq", type=positive, default=None, help="sequence length (default: the model's)")
     p.add_argument(
@@ -73,22 +61,7 @@ def add_parsers(sub: Any) -> None:
         help="recompute of every block: none (default), selective, full, or a per-operator policy "
         "sac1, sac2, … (`autopar plan` lists them; sac1 keeps the fewest bytes)",
     )
-    p.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
-    p.add_argument(
-        "--virtual-stages",
-        type=positive,
-        default=None,
-        help="model chunks per rank (multi-chunk schedules; default 2; interleaved-zb with 1 is ZB-H1)",
-    )
-    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
-    p.add_argument(
-        "--tp-objective",
-        choices=TP_OBJECTIVES,
-        default="time",
-        help="what the per-operator TP choice minimises (default time)",
-    )
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
-    _add_comm_flags(p)
     p.add_argument(
         "--reserve-gib",
         type=non_negative_float,
@@ -97,22 +70,6 @@ def add_parsers(sub: Any) -> None:
     )
     add_json_flag(p)
     add_measured_flags(p)
-
-
-def _add_comm_flags(p: argparse.ArgumentParser) -> None:
-    """estimate's communication knobs, at their defaults when not given."""
-    add_grad_reduce_flag(p, "dtype the data-parallel gradients are reduced in (default fp32)", "fp32")
-    add_powersgd_flag(p, "PowerSGD's rank on a DDP plan (default 0: off; lossy)", 0)
-    add_bucket_flag(
-        p, f"DDP's gradient bucket cap in MiB on a DDP plan (default {DDP_BUCKET_MB:g})", DDP_BUCKET_MB
-    )
-    add_compile_flag(p, auto=False)
-    p.add_argument(
-        "--dp-replicate",
-        type=positive,
-        default=1,
-        help="HSDP: replicas of the ZeRO-2/3 shard groups over the data-parallel ranks (default 1: none)",
-    )
 
 
 def cmd_inspect(args: argparse.Namespace, console: Console) -> None:
@@ -187,28 +144,14 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
 
     cluster = Cluster.load(args.cluster, nodes=args.nodes).from_profile(compute=args.profile, comm=args.comm)
     seq = model_seq(args.model, args.seq, dtype=args.dtype)
+    knob = knob_values(args)
     strategy = Strategy.for_world(
         cluster.world_size,
-        dp=args.dp,
-        virtual_stages=args.virtual_stages,
-        tp=args.tp,
-        pp=args.pp,
-        ep=args.ep,
-        expert_skew=args.expert_skew,
-        zero=args.zero,
-        micro_batch=args.micro_batch,
+        **knob,
         global_batch=args.global_batch,
         seq=seq,
         recompute=args.recompute if args.recompute in RECOMPUTE else "none",
-        schedule=args.schedule,
-        sequence_parallel=args.sequence_parallel,
-        tp_objective=args.tp_objective,
         dtype=args.dtype,
-        grad_reduce=args.grad_reduce,
-        dp_replicate=args.dp_replicate,
-        powersgd_rank=args.powersgd_rank,
-        bucket_mb=args.bucket_mb,
-        compile=args.compile,
     )
     if strategy.world_size != cluster.world_size:  # before the capture: say it at once
         check_strategy(strategy, world_size=cluster.world_size, blocks=10**9, heads=None)

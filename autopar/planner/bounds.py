@@ -26,7 +26,13 @@ from itertools import combinations
 from autopar.cost_models.dp_overlap import dp_exposed_s
 from autopar.cost_models.rank_load import RankLoad, optimizer_s
 from autopar.cost_models.terms import Terms
-from autopar.planner.layout_ilp import block_bytes, fixed_rank_blocks, rank_budgets_bytes, rank_max_blocks
+from autopar.planner.layout_ilp import (
+    LayoutProblem,
+    block_bytes,
+    fixed_rank_blocks,
+    rank_budgets_bytes,
+    rank_max_blocks,
+)
 
 
 def _edge_s(terms: Terms, rank: int) -> float:
@@ -62,13 +68,12 @@ def _step_s(terms: Terms, blocks: int, allowed: tuple[str, ...], stage_s: float)
     return rounds * (stage_s + terms.p2p_s) + optimizer_s(terms, average) + dp_exposed_s(terms, average)
 
 
-def lower_bound_s(
-    terms: Terms, blocks: int, capacity: float = math.inf, allowed: tuple[str, ...] = ("none",)
-) -> float:
+def lower_bound_s(problem: LayoutProblem) -> float:
     """A bound no layout beats: perfect balance (or, where a deep interleaved pipeline fixes each
     rank's count, ``fixed_rank_blocks``, the slowest rank's blocks and edges without recompute),
     no DP traffic, and only as much recompute as memory forces (blocks that no rank can hold
     without it pay the cheapest recompute)."""
+    terms, blocks, capacity, allowed = problem.terms, problem.blocks, problem.capacity, problem.allowed
     st = terms.strategy
     u = terms.block["none"]
     without = sum(min(n, blocks) for n in rank_max_blocks(terms, capacity, "none"))
@@ -94,9 +99,10 @@ def fastest_mix_s(points: list[tuple[float, float]], budget_per_block: float) ->
     return best
 
 
-def stage_bound_s(terms: Terms, blocks: int, capacity: float, allowed: tuple[str, ...]) -> float:
+def stage_bound_s(problem: LayoutProblem) -> float:
     """The slowest stage (a micro-batch) of the best layout when each rank's blocks are priced
     by the fastest recompute mix its own memory allows (module docstring); inf if none fits."""
+    terms, blocks, capacity, allowed = problem.terms, problem.blocks, problem.capacity, problem.allowed
     st = terms.strategy
 
     def rank_s(k: int, n: int) -> float:
@@ -120,10 +126,10 @@ def stage_bound_s(terms: Terms, blocks: int, capacity: float, allowed: tuple[str
     return slowest
 
 
-def tight_bound_s(terms: Terms, blocks: int, capacity: float, allowed: tuple[str, ...]) -> float:
+def tight_bound_s(problem: LayoutProblem) -> float:
     """``lower_bound_s`` with the slowest stage of ``stage_bound_s`` where that is higher."""
-    cheap = lower_bound_s(terms, blocks, capacity, allowed)
-    return max(cheap, _step_s(terms, blocks, allowed, stage_bound_s(terms, blocks, capacity, allowed)))
+    slowest = _step_s(problem.terms, problem.blocks, problem.allowed, stage_bound_s(problem))
+    return max(lower_bound_s(problem), slowest)
 
 
 __all__ = ["fastest_mix_s", "lower_bound_s", "stage_bound_s", "tight_bound_s"]

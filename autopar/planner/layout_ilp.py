@@ -12,6 +12,7 @@ term), so the ILP's optimum is the best layout's estimate. Solved with PuLP + Hi
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pulp
 
@@ -23,6 +24,27 @@ from autopar.strategy import MULTI_CHUNK, Strategy, even_split, remat
 
 MIP_GAP = 1e-6
 """Relative optimality gap each layout ILP must prove (unless its time limit runs out first)."""
+
+
+@dataclass(frozen=True)
+class LayoutProblem:
+    """One outer choice's inner problem, what the bounds, the feasibility check and the layout
+    ILP all take: its priced terms, the model's blocks, the memory a rank may use, and the
+    recompute choices allowed (none, selective, full and policy names)."""
+
+    terms: Terms
+    """``cost_models.terms.build_terms`` of the outer choice (``terms.strategy``)."""
+    blocks: int
+    """Identical blocks to place (the model's, embedding and head apart)."""
+    capacity: float = math.inf
+    """Bytes a rank may use."""
+    allowed: tuple[str, ...] = ("none",)
+    """Recompute choices a block may take."""
+
+    @property
+    def strategy(self) -> Strategy:
+        """The outer choice."""
+        return self.terms.strategy
 
 
 def rank_budgets_bytes(terms: Terms, capacity: float) -> list[float]:
@@ -80,8 +102,9 @@ def fixed_rank_blocks(st: Strategy, blocks: int) -> list[int] | None:
     return even_split(blocks, st.pp, [st.min_rank_blocks(k) for k in range(st.pp)])
 
 
-def fits_somehow(terms: Terms, blocks: int, capacity: float, allowed: tuple[str, ...]) -> bool:
+def fits_somehow(problem: LayoutProblem) -> bool:
     """Exact feasibility of the layout ILP: ranks are independent but for Σ blocks = L."""
+    terms, blocks, capacity, allowed = problem.terms, problem.blocks, problem.capacity, problem.allowed
     st = terms.strategy
     # the most blocks come from the leanest choice with and without rematerialisation (within
     # each, the fixed memory is the same and blocks differ only in their activations)
@@ -101,7 +124,8 @@ def fits_somehow(terms: Terms, blocks: int, capacity: float, allowed: tuple[str,
 class LayoutILP:
     """The layout ILP of one outer choice: ``n[k, r]`` blocks on rank k with recompute r."""
 
-    def __init__(self, terms: Terms, *, blocks: int, capacity: float, allowed: tuple[str, ...]) -> None:
+    def __init__(self, problem: LayoutProblem) -> None:
+        terms, blocks, capacity, allowed = problem.terms, problem.blocks, problem.capacity, problem.allowed
         st = self.strategy = terms.strategy
         self.terms, self.blocks, self.capacity = terms, blocks, capacity
         self.fixed = fixed_rank_blocks(st, blocks)
@@ -238,10 +262,10 @@ class LayoutILP:
 
 
 def solve_layout(
-    terms: Terms, *, blocks: int, capacity: float, allowed: tuple[str, ...], time_limit: float
+    problem: LayoutProblem, *, time_limit: float
 ) -> tuple[tuple[tuple[int, ...], ...], float] | None:
     """The ILP over block counts per rank; returns (layout, proven gap) or None if nothing fits."""
-    ilp = LayoutILP(terms, blocks=blocks, capacity=capacity, allowed=allowed)
+    ilp = LayoutILP(problem)
     # Prove optimality to MIP_GAP relative (times are scaled to block units above).
     if not solve(ilp.prob, mip_solver(time_limit_s=time_limit, gap_rel=MIP_GAP)):
         return None

@@ -36,10 +36,9 @@ from typing import Any
 
 from autopar.cluster import Cluster
 from autopar.cost_models.estimate import Estimate
-from autopar.cost_models.terms import Terms
 from autopar.planner.bounds import lower_bound_s, tight_bound_s
 from autopar.planner.comm_knobs import comm_knobs
-from autopar.planner.layout_ilp import fits_somehow, solve_layout
+from autopar.planner.layout_ilp import LayoutProblem, fits_somehow, solve_layout
 from autopar.planner.pricing import Pricer
 from autopar.planner.recompute_ilp import recompute_choices
 from autopar.recompute_policy import RECOMPUTE, RecomputePolicy
@@ -267,36 +266,34 @@ def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = Non
     """
     start = time.perf_counter()
     progress = progress or _quiet
-    base, capacity = pricer.profiles.base, request.capacity_bytes
     allowed, knobs = _candidates(request, pricer)
     lean = request.constraints.tp_objective is None  # fastest and leanest TP layouts
-    bounded, infeasible, outer = _priced(pricer, knobs, capacity, allowed, progress, lean=lean)
+    bounded, infeasible, outer = _priced(pricer, knobs, request.capacity_bytes, allowed, progress, lean=lean)
     found: list[Candidate] = []
     proven: list[float] = []
     ilps = visited = 0
     # Best bound first; a choice's cheap bound is tightened (``tight_bound_s``) when it comes up
     # and the choice goes back in line: only the few the search reaches pay for the tight one.
-    heap = [(bound, i, False) for i, (bound, _, _) in enumerate(bounded)]
+    heap = [(bound, i, False) for i, (bound, _) in enumerate(bounded)]
     heapq.heapify(heap)
     while heap:
         bound, i, tight = heapq.heappop(heap)
         if found and bound >= found[0].estimate.step_time_s:
             break  # no remaining outer choice can beat the best plan
-        st, terms = bounded[i][1:]
+        problem = bounded[i][1]
         if not tight:
-            tighter = tight_bound_s(terms, base.blocks, capacity, allowed)
-            heapq.heappush(heap, (tighter, i, True))
+            heapq.heappush(heap, (tight_bound_s(problem), i, True))
             continue
         visited += 1
         progress(visited, len(bounded), SOLVING)
-        cand = _even_split(pricer, st, bound, capacity, allowed, base.blocks)
+        cand = _even_split(pricer, problem, bound)
         if cand is None:
             # Each ILP gets a slice of the budget; one that runs out reports its proven gap.
             remaining = request.time_limit_s - (time.perf_counter() - start)
             ilps += 1
-            cand = _best_layout(
-                pricer, terms, base.blocks, capacity, allowed, min(remaining, request.time_limit_s / 20)
-            ) or _uniform(pricer, terms, bound, capacity, allowed, base.blocks)
+            cand = _best_layout(pricer, problem, min(remaining, request.time_limit_s / 20)) or _uniform(
+                pricer, problem, bound
+            )
             if cand is None:  # out of time before any layout, none uniform fits: only its bound
                 proven.append(bound)
                 continue
@@ -323,7 +320,7 @@ def _priced(
     progress: Progress,
     *,
     lean: bool,
-) -> tuple[list[tuple[float, Strategy, Terms]], list[Strategy], int]:
+) -> tuple[list[tuple[float, LayoutProblem]], list[Strategy], int]:
     """Each outer choice's terms and cheap lower bound, those no layout fits (apart), and how
     many there were: each of ``knobs`` (``outer_knobs``) in its fastest TP layout and, with
     ``lean``, also its leanest where that differs (``TPLayouts.variants``).
@@ -336,7 +333,7 @@ def _priced(
     """
     blocks = pricer.profiles.base.blocks
     infeasible: list[Strategy] = []
-    bounded: dict[tuple[int, int], tuple[float, Strategy, Terms]] = {}
+    bounded: dict[tuple[int, int], tuple[float, LayoutProblem]] = {}
     crowded: set[tuple[Any, ...]] = set()  # knobs but ep of a choice no layout fits
     total = 0
     for done, i in enumerate(sorted(range(len(knobs)), key=lambda i: -knobs[i]["ep"])):
@@ -355,12 +352,12 @@ def _priced(
             if but_ep in crowded:
                 continue  # a wider ep of it fits nothing: neither does this one
             st = Strategy(**variant)
-            terms = pricer.terms(st)
-            if not fits_somehow(terms, blocks, capacity, allowed):
+            problem = LayoutProblem(pricer.terms(st), blocks, capacity, allowed)
+            if not fits_somehow(problem):
                 infeasible.append(st)
                 crowded.add(but_ep)
                 continue
-            bounded[i, j] = (lower_bound_s(terms, blocks, capacity, allowed), st, terms)
+            bounded[i, j] = (lower_bound_s(problem), problem)
     progress(len(knobs), len(knobs), PRICING)
     return [bounded[k] for k in sorted(bounded)], infeasible, total
 
@@ -384,45 +381,37 @@ def _candidates(request: PlanRequest, pricer: Pricer) -> tuple[tuple[str, ...], 
     return allowed, knobs
 
 
-def _even_split(
-    pricer: Pricer, st: Strategy, bound: float, capacity: float, allowed: tuple[str, ...], blocks: int
-) -> Candidate | None:
+def _even_split(pricer: Pricer, problem: LayoutProblem, bound: float) -> Candidate | None:
     """The even split without recompute, when it attains the outer choice's bound and fits (no
     ILP needed); else None."""
+    st = problem.strategy
     even = pricer.estimate(st)  # no recompute
-    attains_bound = even.step_time_s <= bound * (1 + 1e-12) and "none" in allowed
-    if attains_bound and max(mm.peak_bytes for mm in even.memory) <= capacity:
-        return Candidate(
-            strategy=replace(st, layout=tuple(st.blocks_per_rank(blocks))), estimate=even, gap=0.0
-        )
+    attains_bound = even.step_time_s <= bound * (1 + 1e-12) and "none" in problem.allowed
+    if attains_bound and max(mm.peak_bytes for mm in even.memory) <= problem.capacity:
+        layout = tuple(st.blocks_per_rank(problem.blocks))
+        return Candidate(strategy=replace(st, layout=layout), estimate=even, gap=0.0)
     return None
 
 
-def _best_layout(
-    pricer: Pricer, terms: Terms, blocks: int, capacity: float, allowed: tuple[str, ...], time_limit_s: float
-) -> Candidate | None:
-    """The layout ILP's optimum for the outer choice of ``terms`` (within ``time_limit_s``; None
-    when the time ran out before a layout was found)."""
-    solved = solve_layout(
-        terms, blocks=blocks, capacity=capacity, allowed=allowed, time_limit=max(0.1, time_limit_s)
-    )
+def _best_layout(pricer: Pricer, problem: LayoutProblem, time_limit_s: float) -> Candidate | None:
+    """The layout ILP's optimum for the outer choice of ``problem`` (within ``time_limit_s``;
+    None when the time ran out before a layout was found)."""
+    solved = solve_layout(problem, time_limit=max(0.1, time_limit_s))
     if solved is None:
         return None
     layout, gap = solved
-    chosen = replace(terms.strategy, layout=layout, recompute="none")
+    chosen = replace(problem.strategy, layout=layout, recompute="none")
     return Candidate(strategy=chosen, estimate=pricer.estimate(chosen), gap=gap)
 
 
-def _uniform(
-    pricer: Pricer, terms: Terms, bound: float, capacity: float, allowed: tuple[str, ...], blocks: int
-) -> Candidate | None:
+def _uniform(pricer: Pricer, problem: LayoutProblem, bound: float) -> Candidate | None:
     """When the layout ILP ran out of time with nothing found: the fastest even split with one
     recompute choice for every block that fits (its gap against the bound), else None."""
-    for choice in sorted(allowed, key=lambda r: terms.block[r].time_s):
-        st = replace(terms.strategy, recompute=choice)
+    for choice in sorted(problem.allowed, key=lambda r: problem.terms.block[r].time_s):
+        st = replace(problem.strategy, recompute=choice)
         est = pricer.estimate(st)
-        if max(mm.peak_bytes for mm in est.memory) <= capacity:
-            chosen = replace(st, layout=tuple(st.blocks_per_rank(blocks)), recompute="none")
+        if max(mm.peak_bytes for mm in est.memory) <= problem.capacity:
+            chosen = replace(st, layout=tuple(st.blocks_per_rank(problem.blocks)), recompute="none")
             gap = max(0.0, (est.step_time_s - bound) / est.step_time_s)
             return Candidate(strategy=chosen, estimate=est, gap=gap)
     return None

@@ -24,7 +24,7 @@ from autopar.runtime.distributed import device_type, local_device
 from autopar.runtime.steps import Stages, compute_dtype
 
 
-def make_mesh(plan: Plan, timeout_s: float) -> Any:
+def make_mesh(plan: Plan, timeout_s: float) -> PlanMesh:
     """The device mesh of the plan's degrees (``ParallelDims.mesh_dims``: (pp, dp, tp), dp as
     two dims under HSDP or EP, flattened back into "dp" for what runs over the whole axis: data,
     loss, dense ZeRO). Every group of it times out after ``timeout_s`` (torch would give each
@@ -33,13 +33,26 @@ def make_mesh(plan: Plan, timeout_s: float) -> Any:
 
     dims = plan.strategy.dims
     names, shape = zip(*dims.mesh_dims, strict=True)
-    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
-    for name, parts in dims.flattened.items():
-        mesh[parts]._flatten(name)
+    root = init_device_mesh(device_type(), shape, mesh_dim_names=names)
+    mesh = PlanMesh(root, {name: root[parts]._flatten(name) for name, parts in dims.flattened.items()})
     timeout = datetime.timedelta(seconds=timeout_s)
     for name in (*names, *dims.flattened):
         mesh[name].get_group().set_timeout(timeout)
     return mesh
+
+
+class PlanMesh:
+    """A plan's ``DeviceMesh`` and the meshes of its flattened dims, indexed as one mesh:
+    ``mesh["tp"]``, ``mesh["ep", "tp"]`` slice the root, a flattened name ("dp" under HSDP or
+    EP) gives the mesh ``_flatten`` made (torch deprecates slicing those from the root)."""
+
+    def __init__(self, root: Any, flattened: dict[str, Any]) -> None:
+        self.root, self.flattened = root, flattened
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> Any:
+        if isinstance(names, str) and names in self.flattened:
+            return self.flattened[names]
+        return self.root[names]
 
 
 def fsdp_mesh(plan: Plan, mesh: Any) -> Any:
@@ -259,6 +272,7 @@ def loss_scaler(plan: Plan, *, sharded: bool) -> Any:
 
 
 __all__ = [
+    "PlanMesh",
     "StageOptimizers",
     "apply_data_parallel",
     "apply_materialize",

@@ -118,13 +118,13 @@ def test_groups_are_torchs(dims: ParallelDims, fake_world) -> None:
     names, shape = zip(*dims.mesh_dims, strict=True)
     for rank in range(dims.world_size):
         fake_world(rank, dims.world_size)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        for name, parts in dims.flattened.items():
-            mesh[parts]._flatten(name)
-        for name in (*names, *dims.flattened):
-            torch_ranks = dist.get_process_group_ranks(mesh[name].get_group())
+        root = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        meshes = {name: root[name] for name in names}
+        meshes |= {name: root[parts]._flatten(name) for name, parts in dims.flattened.items()}
+        for name, mesh in meshes.items():
+            torch_ranks = dist.get_process_group_ranks(mesh.get_group())
             assert dims.group(rank, name) == torch_ranks, (rank, name)
-            assert mesh[name].get_local_rank() == dims.coordinate(rank, name), (rank, name)
+            assert mesh.get_local_rank() == dims.coordinate(rank, name), (rank, name)
     for name, axis in dims.axes.items():
         groups = dims.groups(name)
         assert sorted(r for g in groups for r in g) == list(range(dims.world_size)), name

@@ -11,7 +11,7 @@ from autopar import Cluster
 from autopar.cost_models.estimate import estimate
 from autopar.planner import ModelProfiles, Pricer
 from autopar.planner.bounds import fastest_mix_s, lower_bound_s, tight_bound_s
-from autopar.planner.layout_ilp import fits_somehow, solve_layout
+from autopar.planner.layout_ilp import LayoutProblem, fits_somehow, solve_layout
 from autopar.strategy import Strategy
 from autopar.zoo import GPT, GPTConfig
 
@@ -54,15 +54,15 @@ def test_the_tight_bound_is_below_the_optimum_and_above_the_cheap_one(pricer: Pr
     lo, hi = 0.0, roomy  # bisect for the least capacity any layout fits in
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits_somehow(terms, BLOCKS, mid, allowed) else (mid, hi)
+        lo, hi = (lo, mid) if fits_somehow(LayoutProblem(terms, BLOCKS, mid, allowed)) else (mid, hi)
     tighter, tried = 0, 0
     for i in range(21):  # from the least that fits to the even split's peak
         capacity = hi + (roomy - hi) * i / 20
-        layout, gap = solve_layout(terms, blocks=BLOCKS, capacity=capacity, allowed=allowed, time_limit=10.0)
+        layout, gap = solve_layout(LayoutProblem(terms, BLOCKS, capacity, allowed), time_limit=10.0)
         assert gap == 0.0
         best = estimate(pricer.profiles.at(1), pricer.cluster, replace(st, layout=layout)).step_time_s
-        cheap = lower_bound_s(terms, BLOCKS, capacity, allowed)
-        tight = tight_bound_s(terms, BLOCKS, capacity, allowed)
+        cheap = lower_bound_s(LayoutProblem(terms, BLOCKS, capacity, allowed))
+        tight = tight_bound_s(LayoutProblem(terms, BLOCKS, capacity, allowed))
         assert cheap <= tight <= best * (1 + 1e-9), (capacity, cheap, tight, best)
         tried += 1
         tighter += tight > cheap * (1 + 1e-6)

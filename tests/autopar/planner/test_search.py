@@ -179,7 +179,7 @@ def test_no_layout_fits_a_smaller_ep_where_none_fits_a_wider_one(moe_at, cap_mib
     the same, a rank's memory never grows with ep, so fitting is monotone in ep."""
     from dataclasses import fields
 
-    from autopar.planner.layout_ilp import fits_somehow
+    from autopar.planner.layout_ilp import LayoutProblem, fits_somehow
     from autopar.planner.pricing import Pricer
 
     cluster = Cluster.preset("dgx-a100-80g", nodes=2, gpus_per_node=4)
@@ -189,7 +189,7 @@ def test_no_layout_fits_a_smaller_ep_where_none_fits_a_wider_one(moe_at, cap_mib
     siblings: dict[tuple, dict[int, bool]] = {}
     for st in outer_strategies(request, blocks=2, heads=4, experts=4):
         for v in pricer.layouts.variants(st):
-            fits = fits_somehow(pricer.terms(v), 2, request.capacity_bytes, ("none", "full"))
+            fits = fits_somehow(LayoutProblem(pricer.terms(v), 2, request.capacity_bytes, ("none", "full")))
             but_ep = tuple(getattr(v, f.name) for f in fields(v) if f.name != "ep")
             siblings.setdefault(but_ep, {})[v.ep] = fits
     both = [fit for fit in siblings.values() if len(fit) > 1]
@@ -417,7 +417,7 @@ def test_a_deep_interleaved_pipeline_takes_the_even_split_and_its_bound_holds() 
     (which uses those counts) stays at or below the layout ILP's optimum."""
     from autopar.planner import Pricer
     from autopar.planner.bounds import lower_bound_s, tight_bound_s
-    from autopar.planner.layout_ilp import FREE_INTERLEAVED_PP, fixed_rank_blocks, solve_layout
+    from autopar.planner.layout_ilp import FREE_INTERLEAVED_PP, LayoutProblem, fixed_rank_blocks, solve_layout
 
     cfg = GPTConfig(n_layer=14, n_embd=64, n_head=4, vocab_size=4096, block_size=SEQ)
     with torch.device("meta"):
@@ -429,8 +429,9 @@ def test_a_deep_interleaved_pipeline_takes_the_even_split_and_its_bound_holds() 
     assert fixed_rank_blocks(st, 14) == [2, 2, 3, 3, 2, 2]  # the middle ranks hold the extras
     terms = Pricer(profiles, cluster, dtype="bf16").terms(st)
     allowed = ("none", "full")
-    layout, gap = solve_layout(terms, blocks=14, capacity=80e9, allowed=allowed, time_limit=10.0)
+    layout, gap = solve_layout(LayoutProblem(terms, 14, 80e9, allowed), time_limit=10.0)
     assert [sum(c) for c in layout] == [2, 2, 3, 3, 2, 2] and gap == 0.0
     best = estimate(profiles.at(1), cluster, replace(st, layout=layout)).step_time_s
-    cheap, tight = lower_bound_s(terms, 14, 80e9, allowed), tight_bound_s(terms, 14, 80e9, allowed)
+    problem = LayoutProblem(terms, 14, 80e9, allowed)
+    cheap, tight = lower_bound_s(problem), tight_bound_s(problem)
     assert cheap <= tight <= best * (1 + 1e-9)
