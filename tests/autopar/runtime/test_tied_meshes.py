@@ -39,8 +39,10 @@ def _check(make, plan, batch: int, tmp_path) -> None:
 
 def test_tied_moe_under_pp2_ep2_tp2(tmp_path) -> None:
     batch = 8
-    plan = plan_for(tied_mixtral, batch=batch, seq=SEQ, pp=2, dp=2, tp=2, ep=2, zero=1, micro_batch=1)
+    lean = {"tp_objective": "memory"}  # the embedding split by vocabulary, the tied head by column
+    plan = plan_for(tied_mixtral, batch=batch, seq=SEQ, pp=2, dp=2, tp=2, ep=2, zero=1, micro_batch=1, **lean)
     st = plan.strategy
+    assert {"vocab", "column"} <= {name for _, ops in plan.tensor_parallel for _, name, _ in ops}
     assert st.dims.mesh_dims == (("pp", 2), ("edp", 1), ("ep", 2), ("tp", 2))
     _check(tied_mixtral, plan, batch, tmp_path)
 
@@ -48,6 +50,8 @@ def test_tied_moe_under_pp2_ep2_tp2(tmp_path) -> None:
 def test_tied_gpt_under_pp2_hsdp_tp2(tmp_path) -> None:
     batch = 8
     make = functools.partial(tied_gpt)
-    plan = plan_for(make, batch=batch, seq=SEQ, pp=2, dp=4, tp=2, zero=2, dp_replicate=2, micro_batch=1)
+    knobs = {"zero": 2, "dp_replicate": 2, "micro_batch": 1, "tp_objective": "memory"}
+    plan = plan_for(make, batch=batch, seq=SEQ, pp=2, dp=4, tp=2, **knobs)
+    assert {"vocab", "column"} <= {name for _, ops in plan.tensor_parallel for _, name, _ in ops}
     assert plan.strategy.dims.mesh_dims == (("pp", 2), ("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))
     _check(make, plan, batch, tmp_path)
