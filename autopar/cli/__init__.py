@@ -1,5 +1,5 @@
 """The ``autopar`` command line: ``plan``, ``estimate``, ``inspect``, ``verify``, ``profile``,
-``profile-comm``, ``calibrate``, ``replan``, ``export``, ``report``, ``models``, ``clusters``.
+``profile-comm``, ``calibrate``, ``replan``, ``export``, ``report``, ``dryrun``, ``models``, ``clusters``.
 One module per command family (``plan``, ``verify``, ``report``, ``estimate``: inspect and
 estimate, ``profile``: profile, profile-comm and calibrate, ``checkpoint``: replan and export);
 this one builds the parser and dispatches.
@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 from rich.console import Console
 from rich.table import Table
 
-from autopar.cli import checkpoint, estimate, plan, profile, report, verify
+from autopar.cli import checkpoint, dryrun, estimate, plan, profile, report, verify
 from autopar.cli.common import add_json_flag, count, print_json
 from autopar.errors import AutoparError
 from autopar.units import format_bytes, format_si
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_parsers(sub)  # inspect, estimate
     plan.add_parser(sub)
     verify.add_parser(sub)
+    dryrun.add_parser(sub)
     profile.add_parsers(sub)  # profile, profile-comm, calibrate
     checkpoint.add_parsers(sub)  # replan, export
     report.add_parser(sub)
@@ -111,6 +112,7 @@ COMMANDS: dict[str, Any] = {
     "inspect": estimate.cmd_inspect,
     "estimate": estimate.cmd_estimate,
     "verify": verify.cmd_verify,
+    "dryrun": dryrun.cmd_dryrun,
     "profile": profile.cmd_profile,
     "profile-comm": profile.cmd_profile_comm,
     "calibrate": profile.cmd_calibrate,

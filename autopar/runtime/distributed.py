@@ -34,6 +34,19 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+def simulated() -> bool:
+    """Whether this process simulates one rank of a world (``autopar dryrun``): its process group
+    is torch's ``fake`` backend, whose collectives move no data and which has no timeouts, so the
+    checks that ranks agree (plan, batch, random state) have nothing to compare and are skipped."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def set_group_timeout(group: Any, timeout_s: float) -> None:
+    """``group``'s timeout (not on a simulated world: the fake backend has none)."""
+    if not simulated():
+        group.set_timeout(datetime.timedelta(seconds=timeout_s))
+
+
 def init_distributed(timeout_s: float | None = None) -> float:
     """Join the process group from the torchrun environment if there is none (NCCL on GPUs, gloo
     else), with a timeout of ``timeout_s`` (default ``DEFAULT_TIMEOUT_S``). Where the group exists
@@ -44,7 +57,7 @@ def init_distributed(timeout_s: float | None = None) -> float:
     settle_at_exit()
     if dist.is_initialized():
         if timeout_s is not None:
-            dist.distributed_c10d._get_default_group().set_timeout(datetime.timedelta(seconds=timeout_s))
+            set_group_timeout(dist.distributed_c10d._get_default_group(), timeout_s)
         return group_timeout_s()
     if "RANK" not in os.environ:
         raise AutoparError("no process group and no torchrun environment: launch with torchrun")
@@ -105,6 +118,8 @@ def peer_failures(what: str) -> Iterator[None]:
 
 def agree_on_plan(plan: Plan) -> None:
     """Every rank must hold the same plan before any other collective runs."""
+    if simulated():
+        return
     hashes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(hashes, plan.hash)
     if len(set(hashes)) != 1:
@@ -116,6 +131,8 @@ def agree_on_plan(plan: Plan) -> None:
 def agree_on_batch(batch: torch.Tensor, st: Strategy) -> None:
     """Every rank checks every rank's batch size first: a wrong batch on one rank is an error on
     every rank, not a hang in the other ranks' collectives."""
+    if simulated():
+        return
     expected, dev = st.global_batch // st.dp, local_device()  # NCCL reduces device tensors only
     sizes = [torch.zeros(1, dtype=torch.long, device=dev) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, torch.tensor([batch.shape[0]], device=dev))
@@ -135,6 +152,8 @@ def agree_on_rng(group: Any) -> None:
     apart step by step (Megatron-LM seeds its default generator the same on all TP ranks for the
     same reason, Shoeybi et al. 2019 §3). Users often seed by rank; this undoes that only within
     the group, so data-parallel replicas keep their own masks."""
+    if simulated():
+        return
     states = [torch.get_rng_state()]
     if device_type() == "cuda":
         states.append(torch.cuda.get_rng_state())

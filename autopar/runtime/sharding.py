@@ -11,7 +11,6 @@ pipeline stages: ZeRO 0–2 then keep parameters unsharded between forward and b
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from torch import nn
 
 from autopar.graph.meta import materialize
 from autopar.plan import Plan
-from autopar.runtime.distributed import device_type, local_device
+from autopar.runtime.distributed import device_type, local_device, set_group_timeout
 from autopar.runtime.steps import Stages, compute_dtype
 
 
@@ -29,15 +28,16 @@ def make_mesh(plan: Plan, timeout_s: float) -> PlanMesh:
     two dims under HSDP or EP, flattened back into "dp" for what runs over the whole axis: data,
     loss, dense ZeRO). Every group of it times out after ``timeout_s`` (torch would give each
     its backend's default)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = plan.strategy.dims
     names, shape = zip(*dims.mesh_dims, strict=True)
-    root = init_device_mesh(device_type(), shape, mesh_dim_names=names)
-    mesh = PlanMesh(root, {name: root[parts]._flatten(name) for name, parts in dims.flattened.items()})
-    timeout = datetime.timedelta(seconds=timeout_s)
+    with unset_fake_temporarily():  # its table of ranks is real, in a dry run too
+        root = init_device_mesh(device_type(), shape, mesh_dim_names=names)
+        mesh = PlanMesh(root, {name: root[parts]._flatten(name) for name, parts in dims.flattened.items()})
     for name in (*names, *dims.flattened):
-        mesh[name].get_group().set_timeout(timeout)
+        set_group_timeout(mesh[name].get_group(), timeout_s)
     return mesh
 
 

@@ -39,6 +39,8 @@ def build(
     cls: Callable[..., nn.Module] = families[entry.family]
     with torch.device(device):
         model = cls(entry.config)
+    if all(p.dtype == dtype for p in model.parameters()):
+        return model  # (a cast that changes nothing swaps nothing: fake tensors refuse the swap)
     return model.to(dtype)
 
 

@@ -1,0 +1,125 @@
+"""``autopar dryrun`` at small scale: a simulated rank's memory equals the same rank's in a real
+gloo run of the plan (the same storage counter on both), a broken plan fails in one line, and
+the rank roles and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from autopar.measure.dryrun import dry_run, measure_step, rank_roles
+from autopar.zoo import GPT, GPTConfig
+from tests.conftest import plan_for
+
+SEQ, BATCH = 16, 8
+
+
+def make_gpt(layers: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=layers, n_embd=64, n_head=4, vocab_size=64, block_size=SEQ))
+
+
+def _plan(**knobs):
+    return plan_for(make_gpt, batch=BATCH, seq=SEQ, micro_batch=1, tp_objective="memory", **knobs)
+
+
+def real_worker(rank: int, world: int, init: str, plan_json: str, out: str) -> None:
+    """A real gloo rank: two steps of the plan on real tensors, the second measured as the dry
+    run measures its simulated one; rank 0 writes the figures."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.plan import Plan
+
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        plan = Plan.from_json(plan_json)
+        pm = autopar.parallelize(make_gpt(), plan)
+        batch = torch.randint(0, 2, (BATCH // plan.strategy.dp, SEQ))
+        pm.backward(batch)
+        pm.step()
+        found = measure_step(pm, batch, plan, rank)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(found.to_dict(), f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # a 4-rank process group
+def test_simulated_rank_measures_what_the_real_rank_holds(tmp_path) -> None:
+    from autopar.measure.launch import launch
+
+    plans = [_plan(tp=2, pp=1, dp=2, zero=3), _plan(tp=1, pp=1, dp=4, zero=2, dp_replicate=2)]
+    for i, plan in enumerate(plans):
+        out = tmp_path / f"real{i}.json"
+        launch(
+            real_worker, args=(4, f"file://{tmp_path}/init{i}", plan.to_json(), str(out)), nprocs=4, join=True
+        )
+        real = json.loads(out.read_text())
+        simulated = dry_run(make_gpt, plan, 0)
+        assert simulated.ok, simulated.failure
+        head = plan.text().splitlines()[0]
+        print(f"{head}: simulated peak {simulated.peak_bytes:,.0f} B, real {real['peak_bytes']:,.0f} B")
+        assert simulated.peak_bytes == pytest.approx(real["peak_bytes"], rel=0.01)
+        assert simulated.parameter_bytes == real["parameter_bytes"]
+        assert simulated.optimizer_bytes == real["optimizer_bytes"]
+        counted = {k: tuple(v.values()) for k, v in real["collectives"].items()}
+        agreement = [k for k, v in counted.items() if k.startswith("allgather over") and v == (1, 8.0 * 4)]
+        assert len(agreement) == 1  # agree_on_batch's all-gather of 4 sizes: skipped when simulated
+        del counted[agreement[0]]
+        assert counted == simulated.collectives
+
+
+def test_a_simulated_step_counts_what_zero3_gathers() -> None:
+    """ZeRO-3 × TP2 on 4 ranks simulated here: every FSDP unit gathered in forward and again in
+    backward per micro-batch, reduce-scattered once per micro-batch (no processes started)."""
+    plan = _plan(tp=2, pp=1, dp=2, zero=3)
+    run = dry_run(make_gpt, plan, 0)
+    assert run.ok, run.failure
+    units, micro = 4 + 1, plan.strategy.micro_batches  # blocks, then the root
+    assert run.collectives["allgather_base over dp"][0] == 2 * units * micro
+    assert run.collectives["reduce_scatter_base over dp"][0] == units * micro
+    assert 0 < run.parameter_bytes < run.peak_bytes
+    assert run.optimizer_bytes == pytest.approx(2 * run.parameter_bytes, rel=0.01)  # Adam's m, v (and steps)
+
+
+def test_a_broken_plan_fails_in_one_line() -> None:
+    plan = _plan(tp=2, pp=1, dp=2, zero=3)  # a plan for 4 blocks applied to a model of 2
+    run = dry_run(lambda: make_gpt(2), plan, 0)
+    assert not run.ok and "\n" not in run.failure
+    assert run.failure.startswith("applying the plan"), run.failure
+
+
+def test_roles_and_refusals() -> None:
+    pipeline = _plan(tp=1, pp=2, dp=2, zero=1)
+    assert [r for r, _ in rank_roles(pipeline)] == [0, 2]
+    assert rank_roles(pipeline)[0][1] == "pp 0 of 2 (embedding), dp 0, tp 0"
+    assert "pipeline plans" in dry_run(make_gpt, pipeline, 0).failure
+    ddp = _plan(tp=1, pp=1, dp=2, zero=1)
+    assert "DDP" in dry_run(make_gpt, ddp, 0).failure
+
+
+def test_cli_runs_plans_and_refuses_in_one_line(capsys) -> None:
+    from pathlib import Path
+
+    from autopar.cli import main
+
+    spec = f"{Path(__file__).resolve()}:make_gpt"
+    common = [spec, "--cluster", "cpu", "--nodes", "2", "--global-batch", "8", "--seq", str(SEQ)]
+    fixed = ["--micro-batch", "1", "--recompute", "none", "--dtype", "fp32"]
+    assert main(["dryrun", *common, *fixed, "--tp", "2", "--dp", "2", "--zero", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (rank,) = out["ranks"]
+    assert rank["failure"] == "" and rank["peak_bytes"] > rank["parameter_bytes"] > 0
+    assert main(["dryrun", *common, *fixed, "--pp", "2", "--dp", "2", "--tp", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "pipeline plans can't be dry-run yet" in err, err
+    assert main(["dryrun", *common, *fixed, "--tp", "2", "--dp", "2", "--zero", "3", "--ranks", "9"]) == 2
+    assert "the plan's ranks are 0…3" in capsys.readouterr().err
