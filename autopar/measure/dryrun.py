@@ -18,9 +18,11 @@ optimizer step. The last step is measured:
 What differs from a GPU run: kernels run nowhere, so no time is measured; attention's saved
 tensors are the CPU kernels' (torch's math/flash CPU paths save what their CUDA counterparts
 save for the shapes the zoo uses, but a fused kernel of another library may differ); DDP plans
-(tp = pp = 1 at ZeRO 0–1) are refused, as torch's DDP reducer needs real storage; pipelines are
-refused until their stages' shapes are given to torch statically (its warm-up vote and shape
-exchange read values the fake group does not move).
+(tp = pp = 1 at ZeRO 0–1) are refused, as torch's DDP reducer needs real storage. A pipeline
+rank can't ask its neighbours for their stage shapes, as torch's schedule does at its first step:
+a simulated rank propagates a micro-batch through the whole graph once
+(``runtime.steps.propagate_local_shapes``) and hands torch its chunks' shapes (static stage
+metadata), and torch's warm-up vote is decided without peers.
 """
 
 from __future__ import annotations
@@ -213,11 +215,6 @@ def _refusal(plan: Plan) -> str:
     st = plan.strategy
     if st.uses_ddp:
         return "a DDP plan (tp = pp = 1, ZeRO 0–1) can't be dry-run: torch's DDP reducer needs real storage"
-    if st.pp > 1:
-        return (
-            "pipeline plans can't be dry-run yet: torch's schedule exchanges stage shapes the fake "
-            "group does not move"
-        )
     return ""
 
 

@@ -15,9 +15,9 @@ from torch import nn
 from autopar.errors import AutoparError
 from autopar.graph.objective import Objective
 from autopar.plan import Plan
-from autopar.runtime.distributed import local_device
+from autopar.runtime.distributed import local_device, simulated
 from autopar.runtime.loss import LossFn, scalar
-from autopar.runtime.steps import Stages
+from autopar.runtime.steps import LOCAL, Stages
 from autopar.strategy import MULTI_CHUNK
 
 SCHEDULES = {
@@ -150,15 +150,40 @@ def apply_schedule(
         raise AutoparError(f"unknown pipeline schedule {st.schedule!r}; use one of {sorted(SCHEDULES)}")
     group = mesh["pp"].get_group()
     pipes = [
-        pipelining.PipelineStage(stage, c, stages.count, local_device(), group=group)
+        pipelining.PipelineStage(stage, c, stages.count, local_device(), group=group, **_static_shapes(stage))
         for c, stage in sorted(stages.modules.items())
     ]
     cls = getattr(pipelining, SCHEDULES[st.schedule])
     local = pipes if st.schedule in MULTI_CHUNK else pipes[0]
     schedule = cls(local, st.micro_batches, loss_fn=loss_fn, scale_grads=False)
+    if simulated():  # its peers can't vote: the shapes are given (``_static_shapes``)
+        schedule._warmup_p2p = _static_mode
     params = [p for stage in stages.modules.values() for p in stage.parameters()]
     first, last = 0 in stages.modules, stages.count - 1 in stages.modules
     return PipelineSchedule(schedule, first=first, last=last, params=params, micro_batches=st.micro_batches)
+
+
+def _static_shapes(stage: nn.Module) -> dict[str, Any]:
+    """On a simulated rank, a chunk's input and output tensors as this rank computes them
+    (``steps.propagate_local_shapes``) for torch's static stage metadata; else nothing: torch
+    infers them at the first step by asking the neighbouring ranks."""
+    if not simulated():
+        return {}
+    graph = stage.graph if isinstance(stage, torch.fx.GraphModule) else None
+    if graph is None:
+        return {}
+    inputs = tuple(n.meta[LOCAL] for n in graph.nodes if n.op == "placeholder" and LOCAL in n.meta)
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    outs = output.args[0] if isinstance(output.args[0], tuple | list) else (output.args[0],)
+    return {"input_args": inputs, "output_args": tuple(o.meta[LOCAL] for o in outs)}
+
+
+def _static_mode(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+    """torch's warm-up vote, decided without peers: every stage runs on the shapes it was given."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
 
 
 __all__ = ["SCHEDULES", "LocalSchedule", "PipelineSchedule", "apply_schedule"]

@@ -26,6 +26,7 @@ from autopar.passes.loss_split import split_loss
 from autopar.passes.pipeline_split import fill_layers, install, outline_blocks, split_stages, stage_chunks
 from autopar.passes.recompute import has_submodule, recompute
 from autopar.plan import Plan
+from autopar.runtime.distributed import local_device, simulated
 from autopar.runtime.state import fqn
 
 
@@ -145,6 +146,8 @@ def apply_pipeline_split(stages: Stages, plan: Plan, mesh: Any) -> None:
         stages.modules = {0: stages.gm}
         return
     names = stages.names
+    if simulated():  # the chunks' boundaries as this rank's tensors are (after TP), for torch's schedule
+        propagate_local_shapes(stages.gm, plan)
     per_rank = [s.chunks if st.virtual_stages > 1 else [s.layers] for s in plan.stages]
     stages.chunks = stage_chunks(names, per_rank, st.chunk_rank)
     rank = mesh["pp"].get_local_rank()
@@ -152,6 +155,44 @@ def apply_pipeline_split(stages: Stages, plan: Plan, mesh: Any) -> None:
     stages.modules = split_stages(
         stages.gm, lambda n: names[n.meta["autopar.layer"]], stages.chunks, keep=mine
     )
+
+
+LOCAL = "autopar.local"
+"""Node meta key: the value the node computes on this rank (a fake tensor of its local shape),
+where a simulated rank (``distributed.simulated``) has propagated it (``propagate_local_shapes``)."""
+
+
+def propagate_local_shapes(gm: fx.GraphModule, plan: Plan) -> None:
+    """Run ``gm`` once on a micro-batch of token ids (fake tensors: nothing is computed) and keep
+    each node's output under ``LOCAL``: the captured ``val`` is the model's, before the TP pass
+    split activations (a sequence-parallel boundary is s / t long here). It runs in the precision
+    training will: FSDP2's half-precision copies of the weights where dp > 1, autocast else
+    (``sharding.fsdp_policy``, ``ParallelModel.precision``). torch's pipeline schedule is handed
+    these shapes on a simulated rank, whose peers cannot send theirs."""
+    st = plan.strategy
+    weights = {name for name, _ in gm.named_parameters()}
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(st.dtype)
+    if half is not None and all(gm.get_parameter(w).dtype == half for w in weights):
+        half = None  # the weights compute in their own dtype
+
+    class Recorder(fx.Interpreter):
+        def fetch_attr(self, target: str) -> Any:
+            value = super().fetch_attr(target)
+            cast = half is not None and st.dp > 1 and target in weights
+            return value.to(half) if cast else value
+
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor):  # whether it needs a gradient, not its graph
+                n.meta[LOCAL] = out.detach().requires_grad_(out.requires_grad)
+            return out
+
+    tokens = torch.zeros((st.micro_batch, st.seq), dtype=torch.long)
+    placeholders = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = [tokens if v.dtype == torch.long else v for v in placeholders]
+    autocast = half is not None and st.dp == 1
+    with torch.autocast(local_device().type, dtype=half, enabled=autocast):
+        Recorder(gm).run(*inputs)
 
 
 def apply_outline_blocks(stages: Stages) -> None:

@@ -56,7 +56,11 @@ def real_worker(rank: int, world: int, init: str, plan_json: str, out: str) -> N
 def test_simulated_rank_measures_what_the_real_rank_holds(tmp_path) -> None:
     from autopar.measure.launch import launch
 
-    plans = [_plan(tp=2, pp=1, dp=2, zero=3), _plan(tp=1, pp=1, dp=4, zero=2, dp_replicate=2)]
+    plans = [
+        _plan(tp=2, pp=1, dp=2, zero=3),
+        _plan(tp=1, pp=1, dp=4, zero=2, dp_replicate=2),
+        _plan(tp=2, pp=2, dp=1, zero=0, sequence_parallel=True, schedule="1f1b"),
+    ]
     for i, plan in enumerate(plans):
         out = tmp_path / f"real{i}.json"
         launch(
@@ -97,13 +101,29 @@ def test_a_broken_plan_fails_in_one_line() -> None:
     assert run.failure.startswith("applying the plan"), run.failure
 
 
-def test_roles_and_refusals() -> None:
-    pipeline = _plan(tp=1, pp=2, dp=2, zero=1)
-    assert [r for r, _ in rank_roles(pipeline)] == [0, 2]
-    assert rank_roles(pipeline)[0][1] == "pp 0 of 2 (embedding), dp 0, tp 0"
-    assert "pipeline plans" in dry_run(make_gpt, pipeline, 0).failure
-    ddp = _plan(tp=1, pp=1, dp=2, zero=1)
-    assert "DDP" in dry_run(make_gpt, ddp, 0).failure
+def test_pipeline_roles_step_under_every_schedule_shape() -> None:
+    """The first and last pipeline rank of 1F1B, interleaved (ZeRO-2 over dp 2) and a V (both
+    edges on rank 0): each sends and receives every micro-batch's activations and gradients."""
+    plans = [
+        _plan(tp=1, pp=2, dp=1, zero=0, schedule="1f1b"),
+        _plan(tp=1, pp=2, dp=2, zero=2, schedule="interleaved", virtual_stages=2),
+        _plan(tp=1, pp=2, dp=1, zero=0, schedule="zbv", virtual_stages=2),
+    ]
+    assert [r for r, _ in rank_roles(plans[1])] == [0, 2]
+    assert rank_roles(plans[1])[0][1] == "pp 0 of 2 (embedding), dp 0, tp 0"
+    assert rank_roles(plans[2])[0][1] == "pp 0 of 2 (embedding and head), dp 0, tp 0"
+    for plan in plans:
+        st = plan.strategy
+        hops = st.micro_batches * (st.virtual_stages if st.schedule == "interleaved" else 1)
+        for rank, role in rank_roles(plan):
+            run = dry_run(make_gpt, plan, rank)
+            assert run.ok, (role, run.failure)
+            sends = run.collectives["send over pp"][0]
+            assert sends == run.collectives["recv over pp"][0] >= hops, (plan.strategy.schedule, role)
+
+
+def test_ddp_is_refused() -> None:
+    assert "DDP" in dry_run(make_gpt, _plan(tp=1, pp=1, dp=2, zero=1), 0).failure
 
 
 def test_cli_runs_plans_and_refuses_in_one_line(capsys) -> None:
@@ -118,8 +138,8 @@ def test_cli_runs_plans_and_refuses_in_one_line(capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     (rank,) = out["ranks"]
     assert rank["failure"] == "" and rank["peak_bytes"] > rank["parameter_bytes"] > 0
-    assert main(["dryrun", *common, *fixed, "--pp", "2", "--dp", "2", "--tp", "1"]) == 2
+    assert main(["dryrun", *common, *fixed, "--pp", "1", "--dp", "4", "--tp", "1", "--zero", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "pipeline plans can't be dry-run yet" in err, err
+    assert "\n" not in err and "a DDP plan" in err, err
     assert main(["dryrun", *common, *fixed, "--tp", "2", "--dp", "2", "--zero", "3", "--ranks", "9"]) == 2
     assert "the plan's ranks are 0…3" in capsys.readouterr().err
