@@ -159,10 +159,20 @@ class ParallelDims:
         return tuple(n for n in names if self.axis(n).crosses_nodes(gpus_per_node))
 
 
+def simulated() -> bool:
+    """Whether this process simulates one rank of the mesh (``autopar dryrun``): its process
+    group is torch's ``fake`` backend, whose collectives move no data and which has no timeouts,
+    so the checks that ranks agree (plan, batch, random state) have nothing to compare, and what
+    peers would send (stage shapes, expert counts) is decided here."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
 def partner(rank: int, distance: int) -> int:
     """The rank paired with ``rank`` when ranks pair up ``distance`` apart (0↔d, 1↔d+1, …,
     2d↔3d, …): how ``profile-comm`` finds a peer inside a node (d = 1) or one node away."""
     return rank + distance if (rank // distance) % 2 == 0 else rank - distance
 
 
-__all__ = ["Axis", "ParallelDims", "partner"]
+__all__ = ["Axis", "ParallelDims", "partner", "simulated"]

@@ -32,6 +32,7 @@ from torch import fx
 
 from autopar.errors import AutoparError
 from autopar.graph.experts import ExpertGroup, expert_groups, is_grouped_mm, row_region, weight_source
+from autopar.mesh import simulated
 from autopar.passes.pipeline_split import outline
 from autopar.passes.tp_collectives import waited
 
@@ -78,14 +79,32 @@ def dispatch(rows: torch.Tensor, offs: torch.Tensor, group: Any, ep: int) -> tup
     counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())  # rows per expert
     local = counts.numel() // ep
     received = waited(funcol.all_to_all_single(counts, None, None, group)).view(ep, local)
-    send = counts.view(ep, local).sum(1).tolist()
-    recv = received.sum(1).tolist()
+    if simulated():  # no peer sends its counts: ``_even_routing``
+        send, recv, order, local_offs = _even_routing(rows.shape[0], counts.numel(), ep, offs.dtype)
+    else:
+        send = counts.view(ep, local).sum(1).tolist()
+        recv = received.sum(1).tolist()
+        order = by_local_expert(received)
+        local_offs = received.sum(0).cumsum(0).to(offs.dtype)
     got = waited(funcol.all_to_all_single_autograd(rows.contiguous(), recv, send, group))
-    order = by_local_expert(received)
-    local_offs = received.sum(0).cumsum(0).to(offs.dtype)
     # × ep on the rows' gradient leaving the experts, ÷ ep (combine) on the one entering them:
     # the expert weights' gradients are divided by ep and nothing else changes (see combine)
     return _ScaleGrad.apply(got[order], float(ep)), local_offs, (order, send, recv, ep)
+
+
+def _even_routing(rows: int, experts: int, ep: int, dtype: torch.dtype) -> tuple[Any, ...]:
+    """``dispatch``'s sizes on a simulated rank (``mesh.simulated``: fake tensors hold no
+    counts): every expert takes an even share of every rank's rows, as the cost model prices
+    ``expert_skew`` 1. Real tensors, made outside the fake mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    base, extra = divmod(rows, experts)
+    even = [base + (e < extra) for e in range(experts)]
+    local = experts // ep
+    sizes = [sum(even[d * local : (d + 1) * local]) for d in range(ep)]
+    with unset_fake_temporarily():
+        received = torch.tensor(even).view(ep, local)
+        return sizes, sizes, by_local_expert(received), received.sum(0).cumsum(0).to(dtype)
 
 
 def combine(out: torch.Tensor, ctx: tuple[Any, ...], group: Any) -> torch.Tensor:

@@ -22,7 +22,8 @@ save for the shapes the zoo uses, but a fused kernel of another library may diff
 rank can't ask its neighbours for their stage shapes, as torch's schedule does at its first step:
 a simulated rank propagates a micro-batch through the whole graph once
 (``runtime.steps.propagate_local_shapes``) and hands torch its chunks' shapes (static stage
-metadata), and torch's warm-up vote is decided without peers.
+metadata), and torch's warm-up vote is decided without peers. An expert-parallel rank has no
+peer's routing counts: its experts take even shares (``expert_skew`` 1, as the cost model prices).
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ from torch.utils._pytree import tree_flatten
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
-AXES = ("tp", "dp", "pp", "dp_shard", "dp_replicate", "ep", "edp", "stage")
-"""The mesh axes a collective's group is named by, first match (``ParallelDims.axes``)."""
+AXES = ("tp", "ep", "edp", "dp_shard", "dp_replicate", "dp", "pp", "stage")
+"""The names a collective's group goes by, the most specific first where two are the same
+ranks (EP over all of dp is "ep"): the plan's mesh dims, its flattened dims, and a stage."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,9 +140,11 @@ class _Live(TorchDispatchMode):
         self.alive: set[int] = set()
         self.dims, self.rank = plan.strategy.dims, rank
         self.collectives: dict[str, list[float]] = {}
-        self._axes: dict[tuple[int, ...], str] = {
-            tuple(self.dims.group(rank, n)): n for n in reversed(AXES) if self.dims.axis(n).size > 1
-        }
+        named = {n for n, _ in self.dims.mesh_dims} | set(self.dims.flattened) | {"stage"}
+        self._axes: dict[tuple[int, ...], str] = {}
+        for n in AXES:
+            if n in named and self.dims.axis(n).size > 1:
+                self._axes.setdefault(tuple(self.dims.group(rank, n)), n)
 
     def _freed(self, key: int, nbytes: int) -> None:
         self.live -= nbytes

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.mesh import simulated
 from autopar.plan import Plan
 from autopar.runtime.settle import settle_at_exit
 from autopar.strategy import Strategy
@@ -32,13 +33,6 @@ def local_device() -> torch.device:
     if device_type() == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def simulated() -> bool:
-    """Whether this process simulates one rank of a world (``autopar dryrun``): its process group
-    is torch's ``fake`` backend, whose collectives move no data and which has no timeouts, so the
-    checks that ranks agree (plan, batch, random state) have nothing to compare and are skipped."""
-    return dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def set_group_timeout(group: Any, timeout_s: float) -> None:

@@ -14,8 +14,9 @@ from torch import nn
 
 from autopar.errors import AutoparError
 from autopar.graph.objective import Objective
+from autopar.mesh import simulated
 from autopar.plan import Plan
-from autopar.runtime.distributed import local_device, simulated
+from autopar.runtime.distributed import local_device
 from autopar.runtime.loss import LossFn, scalar
 from autopar.runtime.steps import LOCAL, Stages
 from autopar.strategy import MULTI_CHUNK

@@ -19,6 +19,7 @@ from torch import fx, nn
 from autopar.graph import CapturedModel
 from autopar.graph.meta import capture_as
 from autopar.graph.objective import Objective
+from autopar.mesh import simulated
 from autopar.passes.compile import compile_blocks
 from autopar.passes.expert_load import CountedLayer, count_expert_load
 from autopar.passes.expert_parallel import EXPERTS, expert_parallel, outline_experts
@@ -26,7 +27,7 @@ from autopar.passes.loss_split import split_loss
 from autopar.passes.pipeline_split import fill_layers, install, outline_blocks, split_stages, stage_chunks
 from autopar.passes.recompute import has_submodule, recompute
 from autopar.plan import Plan
-from autopar.runtime.distributed import local_device, simulated
+from autopar.runtime.distributed import local_device
 from autopar.runtime.state import fqn
 
 

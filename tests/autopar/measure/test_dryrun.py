@@ -143,3 +143,16 @@ def test_cli_runs_plans_and_refuses_in_one_line(capsys) -> None:
     assert "\n" not in err and "a DDP plan" in err, err
     assert main(["dryrun", *common, *fixed, "--tp", "2", "--dp", "2", "--zero", "3", "--ranks", "9"]) == 2
     assert "the plan's ranks are 0…3" in capsys.readouterr().err
+
+
+def test_expert_parallel_rank_routes_evenly() -> None:
+    """EP2 over dp 2 (the zoo's Mixtral, 2 MoE layers): a simulated rank has no peer's counts,
+    so every expert takes an even share (what ``expert_skew`` 1 prices); per micro-batch and MoE
+    layer it runs the count exchange and two row exchanges forward, two backward."""
+    from tests.autopar.runtime.test_expert_parallel import SEQ as EP_SEQ
+    from tests.autopar.runtime.test_expert_parallel import zoo_mixtral
+
+    plan = plan_for(zoo_mixtral, batch=4, seq=EP_SEQ, tp=1, pp=1, dp=2, ep=2, zero=1, micro_batch=1)
+    run = dry_run(zoo_mixtral, plan, 0)
+    assert run.ok, run.failure
+    assert run.collectives["all_to_all_single over ep"][0] == plan.strategy.micro_batches * 2 * 5
