@@ -108,6 +108,40 @@ def cmd_dryrun(args: argparse.Namespace, console: Console) -> None:
         raise AutoparError(f"rank {failed[0].rank} ({failed[0].role}): {failed[0].failure}")
 
 
+def check(args: argparse.Namespace, plan: Any) -> list[dict[str, Any]]:
+    """``autopar plan --check``: each distinct rank of ``plan`` dry-run; per rank its figures and
+    whether its program built and its peak, with the cost model's reserve, fits the memory the
+    plan had (``predicted["memory_capacity_bytes"]``)."""
+    from autopar.measure.dryrun import dry_run, rank_roles
+    from autopar.zoo.spec import build_model
+
+    capacity = plan.predicted["memory_capacity_bytes"]
+    make = functools.partial(build_model, args.model)
+    out = []
+    for rank, _ in rank_roles(plan):
+        progress(args, f"dry-running rank {rank} of {plan.strategy.world_size} …")
+        run = dry_run(make, plan, rank)
+        need = run.peak_bytes + run.predicted.get("reserve", 0.0)
+        out.append({**run.to_dict(), "needs_bytes": need, "fits": run.ok and need <= capacity})
+    return out
+
+
+def check_verdict(checked: list[dict[str, Any]], capacity: float) -> str:
+    """One line on the first rank whose dry run failed or did not fit ("" when all did)."""
+    bad = next((c for c in checked if not c["fits"]), None)
+    if bad is None:
+        return ""
+    where = f"the plan's dry run: rank {bad['rank']} ({bad['role']})"
+    if bad["failure"]:
+        return f"{where}: {bad['failure']}"
+    return (
+        f"{where} needs {format_bytes(bad['needs_bytes'])} with the reserve, over the "
+        f"{format_bytes(capacity)} per GPU (the cost model predicted "
+        f"{format_bytes(bad['predicted'].get('peak_bytes', 0.0))}); constrain it (--memory-cap-gib, "
+        "--recompute full, a smaller --micro-batch) and plan again"
+    )
+
+
 def _print(console: Console, plan: Any, runs: list[Any]) -> None:
     console.print(plan.text().splitlines()[0])
     table = Table(show_edge=False, title="memory per rank: dry run vs cost model (without its reserve)")
@@ -136,4 +170,4 @@ def _print(console: Console, plan: Any, runs: list[Any]) -> None:
             console.print(f"rank {r.rank} collectives of a step: " + "; ".join(parts))
 
 
-__all__ = ["add_parser", "cmd_dryrun"]
+__all__ = ["add_parser", "check", "check_verdict", "cmd_dryrun"]

@@ -22,6 +22,8 @@ from autopar.cli.common import (
     progress_bar,
     spinner,
 )
+from autopar.cli.dryrun import check, check_verdict
+from autopar.errors import AutoparError
 from autopar.files import check_writable, write_atomic
 from autopar.plan import Plan
 from autopar.units import format_bytes
@@ -40,6 +42,11 @@ def add_parser(sub: Any) -> None:
         "--time-limit", type=positive_float, default=10.0, help="ILP time limit in seconds (default 10)"
     )
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="dry-run the plan's distinct ranks (autopar dryrun) and fail unless each builds and fits",
+    )
     add_json_flag(p, "tables")
     add_measured_flags(p)
     g = p.add_argument_group("constraints (default: free)")
@@ -79,6 +86,7 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
     if args.out:
         write_atomic(args.out, plan.to_json())
     alternatives, baselines = plan.why["alternatives"], plan.why["baselines"]
+    checked = check(args, plan) if args.check else None
     if args.json:
         print_json(
             {
@@ -94,17 +102,37 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
                 "optimality_gap": plan.optimality_gap,
                 "ilps_solved": result.ilps_solved,
                 "outer_candidates": result.outer_candidates,
+                **({"check": checked} if checked is not None else {}),
             }
         )
-        return
+    else:
+        _print_result(console, args, result, checked)
+    _fail_check(checked, plan)
+
+
+def _print_result(console: Console, args: argparse.Namespace, result: Any, checked: Any) -> None:
+    """The plan as text: its lines and stages, how the search went, what it beat, --check's runs."""
+    plan = result.plan
     _print_plan(console, plan)
     console.print(
         f"solved in {result.solve_time_s:.2f} s: {result.ilps_solved} layout ILPs over "
         f"{result.outer_candidates} outer choices; proven gap {100 * plan.optimality_gap:.2f}%"
     )
-    _print_why(console, alternatives, baselines)
+    _print_why(console, plan.why["alternatives"], plan.why["baselines"])
     if args.out:
         console.print(f"[dim]plan written to {args.out}[/dim]")
+    for c in checked or []:
+        fits = "fits" if c["fits"] else "DOES NOT FIT" if not c["failure"] else "FAILED"
+        console.print(
+            f"dry run rank {c['rank']} ({c['role']}): {format_bytes(c['needs_bytes'])} with the reserve, "
+            f"predicted {format_bytes(c['predicted'].get('peak_bytes', 0.0))}: {fits}"
+        )
+
+
+def _fail_check(checked: list[dict[str, Any]] | None, plan: Plan) -> None:
+    """``--check``: one line, exit 2, when a rank's program failed or does not fit."""
+    if checked and (why := check_verdict(checked, plan.predicted["memory_capacity_bytes"])):
+        raise AutoparError(why)
 
 
 def _print_plan(console: Console, plan: Plan) -> None:

@@ -156,3 +156,39 @@ def test_expert_parallel_rank_routes_evenly() -> None:
     run = dry_run(zoo_mixtral, plan, 0)
     assert run.ok, run.failure
     assert run.collectives["all_to_all_single over ep"][0] == plan.strategy.micro_batches * 2 * 5
+
+
+def test_plan_check_dry_runs_the_plan(capsys) -> None:
+    """``autopar plan --check``: each distinct rank dry-run, its need with the reserve against
+    the memory the plan had; a rank that does not fit or fails is one line, exit 2."""
+    from pathlib import Path
+
+    from autopar.cli import main
+    from autopar.cli.dryrun import check_verdict
+
+    spec = f"{Path(__file__).resolve()}:make_gpt"
+    argv = ["plan", spec, "--cluster", "cpu", "--nodes", "2", "--global-batch", "8", "--seq", str(SEQ)]
+    fixed = [
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--zero",
+        "3",
+        "--micro-batch",
+        "1",
+        "--dtype",
+        "fp32",
+        "--recompute",
+        "none",
+    ]
+    assert main([*argv, *fixed, "--check", "--json"]) == 0
+    (checked,) = json.loads(capsys.readouterr().out)["check"]
+    assert checked["fits"] and checked["needs_bytes"] > checked["peak_bytes"] > 0
+    over = {**checked, "fits": False, "needs_bytes": 2.0**40}
+    line = check_verdict([checked, over], capacity=2.0**33)
+    assert (
+        line.startswith("the plan's dry run: rank 0 (pp 0 of 1")
+        and "1.0 TiB with the reserve, over the 8.0 GiB" in line
+    )
+    assert check_verdict([checked], capacity=2.0**33) == ""
