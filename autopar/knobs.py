@@ -88,14 +88,11 @@ def knobs(cls: type) -> dict[str, Knob]:
     return {f.name: f.metadata["knob"] for f in dataclasses.fields(cls) if "knob" in f.metadata}
 
 
-def field_problem(cls: type, obj: Any, *, unset: Any = dataclasses.MISSING) -> str:
+def field_problem(cls: type, obj: Any) -> str:
     """The first of ``obj``'s knob fields (the knobs of ``cls``) that holds no value of its knob,
-    in one line ("" when all do); fields equal to ``unset`` are skipped (a constraint left free)."""
+    in one line ("" when all do)."""
     for name, k in knobs(cls).items():
-        value = getattr(obj, name)
-        if unset is not dataclasses.MISSING and value is unset:
-            continue
-        if why := k.problem(name, value):
+        if why := k.problem(name, getattr(obj, name)):
             return why
     return ""
 

@@ -31,17 +31,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from autopar.errors import AutoparError
+from autopar.measure.saved import PeakMode, held, tensors
 from autopar.plan import Plan
 
 AXES = ("tp", "ep", "edp", "dp_shard", "dp_replicate", "dp", "pp", "stage")
@@ -110,77 +108,43 @@ def _role(plan: Plan, rank: int) -> str:
     return f"pp {k} of {dims.pp}{what}, {coords}"
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+def held_bytes(found: list[torch.Tensor]) -> float:
+    """Bytes of the distinct storages behind ``found`` (local shards)."""
+    storages = [held(t).untyped_storage() for t in found]
+    return float(sum({s._cdata: s.nbytes() for s in storages}.values()))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage this rank holds: a DTensor's local shard, else itself."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
-
-
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    s = _local(t).untyped_storage()
-    return s._cdata, s.nbytes()
-
-
-def held_bytes(tensors: list[torch.Tensor]) -> float:
-    """Bytes of the distinct storages behind ``tensors`` (local shards)."""
-    return float(sum(n for _, n in {_storage_key(t) for t in tensors}))
-
-
-class _Live(TorchDispatchMode):
-    """The most bytes alive at once in storages operators made under it (DTensors by their local
-    shards), and each collective's count and bytes by the mesh axis of its group."""
+class _Live(PeakMode):
+    """``saved.PeakMode``'s peak of the bytes alive, and each collective's count and bytes by the
+    mesh axis of its group."""
 
     def __init__(self, plan: Plan, rank: int) -> None:
         super().__init__()
-        self.live = self.peak = 0
-        self.alive: set[int] = set()
-        self.dims, self.rank = plan.strategy.dims, rank
+        dims = plan.strategy.dims
         self.collectives: dict[str, list[float]] = {}
-        named = {n for n, _ in self.dims.mesh_dims} | set(self.dims.flattened) | {"stage"}
+        named = {n for n, _ in dims.mesh_dims} | set(dims.flattened) | {"stage"}
         self._axes: dict[tuple[int, ...], str] = {}
         for n in AXES:
-            if n in named and self.dims.axis(n).size > 1:
-                self._axes.setdefault(tuple(self.dims.group(rank, n)), n)
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self.alive.discard(key)
+            if n in named and dims.axis(n).size > 1:
+                self._axes.setdefault(tuple(dims.group(rank, n)), n)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
         if func.namespace in ("c10d", "_c10d_functional"):
             self._count(func, args)
-        out = func(*args, **kwargs)
-        read = {_local(t).untyped_storage()._cdata for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
-            storage = _local(t).untyped_storage()
-            key = storage._cdata
-            if key in read or key in self.alive:  # a view, an in-place result, a second output
-                continue
-            self.alive.add(key)
-            self.live += storage.nbytes()
-            weakref.finalize(storage, self._freed, key, storage.nbytes()).atexit = False
-        self.peak = max(self.peak, self.live)
-        return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _count(self, func: Any, args: Any) -> None:
         """One collective: its group's axis (by its ranks) and the bytes it is handed."""
-        name = func.__name__.split(".")[0].strip("_")
-        if name in ("wait_tensor", "barrier"):
-            return
         group = _group(args)
-        if group is None:  # not a collective (a wait, a work handle's op)
+        if group is None:  # not a collective (a wait on one)
             return
+        name = func.__name__.split(".")[0].strip("_")
         ranks = dist.get_process_group_ranks(group)
         axis = self._axes.get(tuple(ranks), f"{len(ranks)} ranks")
-        sent = _tensors(args[1] if name in ("allgather_base", "reduce_scatter_base") else args[0])
+        sent = tensors(args[1] if name in ("allgather_base", "reduce_scatter_base") else args[0])
         entry = self.collectives.setdefault(f"{name} over {axis}", [0, 0.0])
         entry[0] += 1
-        entry[1] += sum(_local(t).numel() * _local(t).element_size() for t in sent)
+        entry[1] += sum(held(t).numel() * held(t).element_size() for t in sent)
 
 
 def _group(args: Any) -> Any:
@@ -197,22 +161,29 @@ def _group(args: Any) -> Any:
 
 @contextlib.contextmanager
 def _real_device_meshes() -> Iterator[None]:
-    """Device meshes built with real rank tables under ``FakeTensorMode`` (torch builds the
-    tables of meshes it concatenates for FSDP2 × TP lazily, inside the mode otherwise)."""
+    """Device meshes built with real rank tables under ``FakeTensorMode``: ``init_device_mesh``
+    makes its table before the mesh, and torch builds the meshes it concatenates for FSDP2 × TP
+    lazily, inside the mode; both run outside it here (the runtime makes its mesh as a job does)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed import device_mesh
 
-    real = DeviceMesh.__init__
+    real_init, real_make = device_mesh.DeviceMesh.__init__, device_mesh.init_device_mesh
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         with unset_fake_temporarily():
-            real(self, *args, **kwargs)
+            real_init(self, *args, **kwargs)
 
-    DeviceMesh.__init__ = init  # type: ignore[method-assign]
+    def make(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return real_make(*args, **kwargs)
+
+    device_mesh.DeviceMesh.__init__ = init  # type: ignore[method-assign]
+    device_mesh.init_device_mesh = make
     try:
         yield
     finally:
-        DeviceMesh.__init__ = real  # type: ignore[method-assign]
+        device_mesh.DeviceMesh.__init__ = real_init  # type: ignore[method-assign]
+        device_mesh.init_device_mesh = real_make
 
 
 def _refusal(plan: Plan) -> str:
@@ -283,7 +254,7 @@ def measure_step(pm: Any, batch: torch.Tensor, plan: Plan, rank: int) -> DryRun:
 def _optimizer_tensors(pm: Any) -> list[torch.Tensor]:
     """Every tensor of every local optimizer's state."""
     optimizers = getattr(pm.optimizer, "optimizers", [pm.optimizer])
-    return [t for opt in optimizers for state in opt.state.values() for t in _tensors(state)]
+    return [t for opt in optimizers for state in opt.state.values() for t in tensors(state)]
 
 
 def _predicted(plan: Plan, rank: int) -> dict[str, float]:

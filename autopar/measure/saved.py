@@ -21,7 +21,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from autopar.graph.dispatch import DispatchCall, dispatch_call, ignored, numbered
 
 
-def _tensors(x: Any) -> list[torch.Tensor]:
+def tensors(x: Any) -> list[torch.Tensor]:
+    """The tensors among ``x``'s leaves (nested tuples, lists, dicts)."""
     leaves, _ = tree_flatten(x)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
@@ -41,8 +42,8 @@ class _Storages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        read = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
-        for t in _tensors(out):  # new storage only (a view of a parameter is the parameter)
+        read = {t.untyped_storage()._cdata for t in tensors((args, kwargs))}
+        for t in tensors(out):  # new storage only (a view of a parameter is the parameter)
             if t.untyped_storage()._cdata not in read:
                 self.track(t)
         return out
@@ -69,6 +70,13 @@ def _local(x: Any) -> Any:
     return x.to_local() if hasattr(x, "to_local") else x
 
 
+def held(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage this rank holds: a DTensor's local shard (read, no operator
+    run: a dispatch mode may ask inside its handler), else ``t``."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
 def call_bytes(run: Callable[[], Any]) -> dict[str, int]:
     """Bytes each call of one forward ``run()`` makes its outputs own, by ``op#k`` (the k-th call
     of operator ``op``, as a per-operator recompute policy names it): what keeping it costs."""
@@ -93,7 +101,7 @@ def retained_bytes(forward: Callable[..., Any], inputs: Inputs) -> int:
     with mode:
         out = forward(x, *args, **kwargs)
     del x
-    outputs = {t.untyped_storage()._cdata for t in _tensors(out)}
+    outputs = {t.untyped_storage()._cdata for t in tensors(out)}
     gc.collect()
     alive = (ref() for key, ref in mode.refs.items() if key not in outputs)
     total = sum(s.nbytes() for s in alive if s is not None)
@@ -101,8 +109,9 @@ def retained_bytes(forward: Callable[..., Any], inputs: Inputs) -> int:
     return total
 
 
-class _Peak(TorchDispatchMode):
-    """The most bytes the storages an operator made were ever alive at once."""
+class PeakMode(TorchDispatchMode):
+    """The most bytes the storages an operator made were ever alive at once (a DTensor's: its
+    local shard's, the bytes this rank holds)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -115,9 +124,9 @@ class _Peak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        read = {t.untyped_storage()._cdata for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
-            storage = t.untyped_storage()
+        read = {held(t).untyped_storage()._cdata for t in tensors((args, kwargs))}
+        for t in tensors(out):
+            storage = held(t).untyped_storage()
             key = storage._cdata
             if key in read or key in self.alive:  # a view, an in-place result, a second output
                 continue
@@ -133,10 +142,10 @@ def peak_bytes(run: Callable[[], Any]) -> int:
     """The peak of the bytes alive at once in storages that ``run()``'s operators made,
     forward and backward (autograd runs its backward operators under the same mode): what a
     caching allocator's ``max_memory_allocated`` would add during ``run``, on any device."""
-    mode = _Peak()
+    mode = PeakMode()
     with mode:
         run()
     return mode.peak
 
 
-__all__ = ["Inputs", "call_bytes", "peak_bytes", "retained_bytes"]
+__all__ = ["Inputs", "PeakMode", "call_bytes", "held", "peak_bytes", "retained_bytes", "tensors"]

@@ -28,14 +28,12 @@ def make_mesh(plan: Plan, timeout_s: float) -> PlanMesh:
     two dims under HSDP or EP, flattened back into "dp" for what runs over the whole axis: data,
     loss, dense ZeRO). Every group of it times out after ``timeout_s`` (torch would give each
     its backend's default)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
 
     dims = plan.strategy.dims
     names, shape = zip(*dims.mesh_dims, strict=True)
-    with unset_fake_temporarily():  # its table of ranks is real, in a dry run too
-        root = init_device_mesh(device_type(), shape, mesh_dim_names=names)
-        mesh = PlanMesh(root, {name: root[parts]._flatten(name) for name, parts in dims.flattened.items()})
+    root = init_device_mesh(device_type(), shape, mesh_dim_names=names)
+    mesh = PlanMesh(root, {name: root[parts]._flatten(name) for name, parts in dims.flattened.items()})
     for name in (*names, *dims.flattened):
         set_group_timeout(mesh[name].get_group(), timeout_s)
     return mesh
