@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from autopar.errors import ClusterSpecError
+from autopar.gpus import arch_of
 from autopar.measurements import CommProfile, ComputeProfile, load_comm, load_compute
 from autopar.spec_fields import (
     check,
@@ -55,6 +56,11 @@ class DeviceSpec:
     attention_efficiency: float | None = None
     """Achievable fraction of peak in fused attention kernels (``scaled_dot_product_attention``'s
     flash / memory-efficient / cuDNN kernels), in (0, 1]; None: ``matmul_efficiency``."""
+    overlap_slowdown: float = 0.0
+    """Compute time lost per second of communication that compute hides, in [0, 1]: the SMs and
+    memory bandwidth concurrent NCCL kernels take from the kernels they overlap (0: hidden
+    communication is free, 1: overlapping gains nothing). The presets carry the value fitted on
+    the corpus of measured runs (``OVERLAP_SLOWDOWN``)."""
 
     def __post_init__(self) -> None:
         check(isinstance(self.name, str) and self.name != "", "device.name", "a non-empty string")
@@ -65,18 +71,18 @@ class DeviceSpec:
             check(dtype in DTYPES, f"device.peak_flops.{dtype}", f"a dtype among {DTYPES}")
             check_positive(flops, f"device.peak_flops.{dtype}")
         check_positive(self.hbm_bandwidth_bytes_per_s, "device.hbm_bandwidth_bytes_per_s")
+        fraction = "a fraction in (0, 1]"
+        efficiency = self.matmul_efficiency
+        check(is_number(efficiency) and 0 < efficiency <= 1, "device.matmul_efficiency", fraction, efficiency)
+        attention = self.attention_efficiency
+        ok = attention is None or (is_number(attention) and 0 < attention <= 1)
+        check(ok, "device.attention_efficiency", f"{fraction} (or absent: the matmul efficiency)", attention)
+        slowdown = self.overlap_slowdown
         check(
-            is_number(self.matmul_efficiency) and 0 < self.matmul_efficiency <= 1,
-            "device.matmul_efficiency",
-            "a fraction in (0, 1]",
-            self.matmul_efficiency,
-        )
-        check(
-            self.attention_efficiency is None
-            or (is_number(self.attention_efficiency) and 0 < self.attention_efficiency <= 1),
-            "device.attention_efficiency",
-            "a fraction in (0, 1] (or absent: the matmul efficiency)",
-            self.attention_efficiency,
+            is_number(slowdown) and 0 <= slowdown <= 1,
+            "device.overlap_slowdown",
+            "a fraction in [0, 1]",
+            slowdown,
         )
 
     def achievable_flops(self, dtype: str, *, attention: bool = False) -> float:
@@ -196,6 +202,9 @@ class Cluster:
                     attention_efficiency=None
                     if device.get("attention_efficiency") is None
                     else number(device["attention_efficiency"], "device.attention_efficiency"),
+                    overlap_slowdown=number(
+                        device.get("overlap_slowdown", OVERLAP_SLOWDOWN), "device.overlap_slowdown"
+                    ),
                 ),
                 intra_node=_link(require(data, "intra_node", ""), "intra_node"),
                 inter_node=_link(require(data, "inter_node", ""), "inter_node"),
@@ -330,35 +339,25 @@ def _profile(x: object, load: Callable[[str], Any], cls: Any) -> Any:
 # bandwidth for the achievable NVLink figure (A100 ~230 GB/s, H100 ~370 GB/s
 # ring; H200 has the same NVLink 4 as H100); DGX network 8×200 Gb/s HDR
 # (≈200 GB/s per node) for A100 and 8×400 Gb/s NDR (≈400 GB/s) for H100/H200.
-# matmul_efficiency 0.70: the fraction of dense peak that the matmuls of a
-# training step reach end to end, calibrated once (not per run) on the two
-# published A100 runs in shared/REFERENCES.md (GPT-3 175B at 1024 GPUs, 140
-# TFLOP/s; the 22B model on 8 GPUs, 1.42 s and 1.10 s), whose residual error it
-# minimised (max 5.5% then; 6.3% since each row-parallel output's collective pays
-# its own latency; benchmarks/published_runs.py). It sits below the 0.80
-# a lone bf16 8192³ matmul reached on an H200 here: a step's GEMMs are smaller
-# and pay launch and synchronisation costs the roofline does not model. H100
-# and H200 take the same fraction (no published run listed to calibrate them).
-# Latencies (5 µs NVLink, 10 µs IB per message) are assumptions, not
-# measurements: `autopar profile-comm` replaces them with fitted values.
-# attention_efficiency: PyTorch's scaled_dot_product_attention runs FlashAttention-2 kernels,
-# which reach 50–73% of peak on A100 (Dao 2023, FlashAttention-2 §4.1: up to 225 TFLOP/s of
-# 312 forward + backward), i.e. about the matmul efficiency (left unset there), but "only 35%
-# utilization on the H100" (Shah et al. 2024, FlashAttention-3, abstract): 0.35 on H100 and
+# matmul_efficiency (per GPU generation) and overlap_slowdown: fitted by code, never by hand, on
+# the corpus of measured runs (benchmarks/runs/, `python benchmarks/published_runs.py`: least
+# squares over every source; the held-out errors it prints are the figures to trust).
+# Latencies (5 µs NVLink, 10 µs IB) are assumptions for α-β rings; NVIDIA GPUs' collectives are
+# priced by NCCL's own tuning model (cost_models/nccl.py); `autopar profile-comm` replaces both.
+# attention_efficiency: sdpa's FlashAttention-2 kernels reach 50–73% of peak on A100 (Dao 2023, §4.1:
+# up to 225 TFLOP/s of 312), about the matmul efficiency (left unset), but "only 35% utilization on
+# the H100" (Shah et al. 2024, FlashAttention-3, abstract): 0.35 on H100 and
 # H200 (the same SMs). A measured profile replaces it with the layer's own times.
 
 #
-# h100-96g-500w: H100 with 96 GB HBM2e capped at 500 W, as in Meta's Grand Teton nodes on which
-# torchtitan published its Llama-3 runs (pytorch/torchtitan docs/performance.md). Two stated
-# assumptions, no datasheet: (1) the sustained dense peak is the SXM5 datasheet's (989 TFLOP/s
-# bf16 at 700 W) scaled by the power cap, 989 · 500/700 = 706 TFLOP/s — a power-capped GPU lowers
-# its clock until it fits the cap, and the large GEMMs of training are what draw the full 700 W;
-# (2) HBM2e at 2.4 TB/s (six 16 GB stacks at 3.2 Gb/s per pin: 6 · 1024 · 3.2 / 8). A measured
-# profile (`autopar profile`, then `--profile`) replaces both; `autopar estimate` names the peak
-# it priced with. NVLink and the network are the DGX H100 figures.
+# h100-96g-500w: H100 96 GB HBM2e capped at 500 W (Meta's Grand Teton, torchtitan's runs). Stated
+# assumptions, no datasheet: the dense peak is the SXM5's (989 TFLOP/s at 700 W) × 500/700 = 706
+# (a capped GPU lowers its clock to fit; training's GEMMs draw the full 700 W), and HBM2e at 2.4 TB/s
+# (six stacks at 3.2 Gb/s per pin). A measured profile (`autopar profile`) replaces both.
 _POWER_CAP = 500 / 700
 
-MATMUL_EFFICIENCY = 0.70
+MATMUL_EFFICIENCY = {"ampere": 0.64, "hopper": 0.66}  # per generation, fitted on every source
+OVERLAP_SLOWDOWN = 0.15
 HOPPER_FLASH_ATTENTION_EFFICIENCY = 0.35
 _NVLINK_LATENCY_S = 5e-6
 _IB_LATENCY_S = 10e-6
@@ -396,8 +395,9 @@ def _node(
                     "fp16": bf16 * 1e12,
                 },
                 hbm_bandwidth_bytes_per_s=hbm_tb_s * 1e12,
-                matmul_efficiency=MATMUL_EFFICIENCY,
+                matmul_efficiency=MATMUL_EFFICIENCY[arch_of(device) or "ampere"],
                 attention_efficiency=attention_efficiency,
+                overlap_slowdown=OVERLAP_SLOWDOWN,
             ),
             intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink_gb_s * 1e9, latency_s=intra_latency_s),
             inter_node=LinkSpec(bandwidth_bytes_per_s=ib_gb_s * 1e9, latency_s=inter_latency_s),

@@ -43,6 +43,13 @@ class Axis:
         GPUs (groups aligned to nodes, as every mesh dim's are)."""
         return self.size > 1 and self.size * self.stride > gpus_per_node
 
+    def per_node(self, gpus_per_node: int) -> int:
+        """Ranks of one group on one node: all of them when the group fits a node, else the
+        node's GPUs ÷ the stride (one when the stride is a node or more)."""
+        if not self.crosses_nodes(gpus_per_node):
+            return self.size
+        return max(1, min(self.size, gpus_per_node // self.stride))
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:

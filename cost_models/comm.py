@@ -31,8 +31,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
+from autopar.cost_models import nccl
+from autopar.gpus import arch_of
 from autopar.measurements import COLLECTIVES
 from autopar.mesh import Axis
+
+NVLINK_MIN_BYTES_PER_S = 100e9
+"""An intra-node link faster than this is NVLink (PCIe 5.0 x16 moves 64 GB/s each way), and its
+GPUs share an NVSwitch (every preset's 8-GPU NVLink node does)."""
+
+BULK_BYTES = 2**28
+"""A message large enough that bandwidth rules (256 MiB): where a collective's bytes are compared
+per byte without one message's size at hand (expert against dense gradient reductions)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +57,8 @@ class GroupLink:
     """True when the group spans more than one node."""
     measured: tuple[tuple[str, float, float], ...] = ()
     """(collective, a, b) fits time(S) = a + b·S measured for this group (profile-comm)."""
+    nccl: nccl.NcclGroup | None = None
+    """The group as NCCL's tuning model sees it (NVIDIA GPUs), else None: α-β rings."""
 
     def fit(self, collective: str) -> tuple[float, float] | None:
         """The measured (a, b) of ``collective`` on this group, or None."""
@@ -70,6 +82,7 @@ def group_link(cluster: Cluster, axis: Axis) -> GroupLink:
             )
             if f is not None:
                 measured.append((name, f.latency_s, f.seconds_per_byte))
+    group = nccl_group(cluster, axis)
     if not crosses:
         link = cluster.intra_node
         return GroupLink(
@@ -77,6 +90,7 @@ def group_link(cluster: Cluster, axis: Axis) -> GroupLink:
             latency_s=link.latency_s,
             crosses_nodes=False,
             measured=tuple(measured),
+            nccl=group,
         )
     per_group = cluster.inter_node.bandwidth_bytes_per_s / gpn
     return GroupLink(
@@ -84,6 +98,29 @@ def group_link(cluster: Cluster, axis: Axis) -> GroupLink:
         latency_s=cluster.inter_node.latency_s,
         crosses_nodes=True,
         measured=tuple(measured),
+        nccl=group,
+    )
+
+
+def nccl_group(cluster: Cluster, axis: Axis) -> nccl.NcclGroup | None:
+    """``axis``'s groups as NCCL's tuning model sees them, on a cluster of NVIDIA GPUs (None
+    otherwise): ranks per node from the axis's stride (``Axis.per_node``), NVLink and NVSwitch
+    where the intra-node link is faster than PCIe can be (``NVLINK_MIN_BYTES_PER_S``), each GPU
+    one NIC of the node's network (a DGX's eight rails)."""
+    arch = arch_of(cluster.device.name)
+    if arch is None or axis.size <= 1:
+        return None
+    gpn = cluster.gpus_per_node
+    per_node = axis.per_node(gpn)
+    fast = cluster.intra_node.bandwidth_bytes_per_s >= NVLINK_MIN_BYTES_PER_S
+    return nccl.NcclGroup(
+        ranks=axis.size,
+        nodes=axis.size // per_node,
+        arch=arch,
+        nvlink=fast,
+        nvswitch=fast,
+        intra_bus_bytes_per_s=cluster.intra_node.bandwidth_bytes_per_s,
+        nic_bytes_per_s=cluster.inter_node.bandwidth_bytes_per_s / gpn,
     )
 
 
@@ -94,11 +131,13 @@ def unmeasured(link: GroupLink, n: int, collectives: tuple[str, ...]) -> list[st
     return [c for c in collectives if link.fit(c) is None]
 
 
-def coefficients(collective: str, n: int, link: GroupLink) -> tuple[float, float]:
-    """(a, b) with time(S) = a + b·S for ``collective`` over n ranks: the measured fit (for a
-    ``_bf16`` reduction not measured, the fp32 one's: the same bytes), else
-    the ring's (n−1)·α and (n−1)/(n·β) for an all-gather or reduce-scatter, twice both for an
-    all-reduce, (α, 1/β) for a send/recv. (0, 0) for a single rank."""
+def coefficients(collective: str, n: int, link: GroupLink, size_bytes: float) -> tuple[float, float]:
+    """(a, b) with time(S) = a + b·S for ``collective`` over n ranks, as it runs a message of
+    ``size_bytes``: the measured fit (for a ``_bf16`` reduction not measured, the fp32 one's: the
+    same bytes); else on NVIDIA GPUs NCCL's (``nccl``: the algorithm and protocol NCCL picks at
+    this size, its latency and bandwidth); else the ring's (n−1)·α and (n−1)/(n·β) for an
+    all-gather or reduce-scatter, twice both for an all-reduce, (α, 1/β) for a send/recv.
+    (0, 0) for a single rank."""
     if n <= 1:
         return 0.0, 0.0
     base = collective.removesuffix("_bf16")  # on bf16 tensors: the same bytes, where not measured
@@ -106,6 +145,14 @@ def coefficients(collective: str, n: int, link: GroupLink) -> tuple[float, float
     if got is not None:
         return got
     collective = base
+    if link.nccl is not None:
+        group = nccl.resized(link.nccl, n)
+        if collective == "send_recv":
+            return nccl.p2p_terms(group)
+        if collective == "all_to_all":
+            return nccl.all_to_all_terms(group)
+        pick = nccl.choose(collective, size_bytes, group)
+        return pick.latency_s, pick.seconds_per_byte
     if collective == "send_recv":
         return link.latency_s, 1 / link.bandwidth_bytes_per_s
     lat, spb = (n - 1) * link.latency_s, (n - 1) / n / link.bandwidth_bytes_per_s
@@ -115,7 +162,7 @@ def coefficients(collective: str, n: int, link: GroupLink) -> tuple[float, float
 def _time_s(collective: str, size_bytes: float, n: int, link: GroupLink) -> float:
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    a, b = coefficients(collective, n, link)
+    a, b = coefficients(collective, n, link, size_bytes)
     return a + b * size_bytes
 
 

@@ -31,6 +31,9 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     Under a pipeline (pp > 1) torch's schedules reduce-scatter only in the step's last backward
     (``memory.rank_state_bytes``): ZeRO-2 pays its term once, not m times, and ZeRO-3
       m·[max(g₁, L·α_g + σ_g·W − fwd) + max(g₁, L·α_g + σ_g·W − bwd)] + max(r₁, L·α_r + σ_r·G − bwd).
+    Hidden communication is not free: each overlapped term E of a collective time C becomes
+    E + s·(C − E), s the device's ``overlap_slowdown`` (the compute its kernels lose to the
+    hidden C − E); the ZeRO-1/2 weight all-gather after the optimizer hides behind nothing.
     """
     st, lat, spb = terms.strategy, terms.lat_s, terms.s_per_byte
     rlat, rspb = terms.rs_lat_s, terms.rs_s_per_byte
@@ -40,20 +43,28 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     grad, weights = params * terms.grad_bytes, params * terms.weight_bytes
     kappa = terms.overlap
     overlap = kappa * (load.bwd_s - terms.block["none"].bwd_s)
-    m = st.micro_batches
+    m, s = st.micro_batches, terms.overlap_slowdown
+
+    def slowed(exposed: float, total: float) -> float:  # E + s·(C − E), as the layout ILP writes it
+        return (1 - s) * exposed + s * total
+
     if st.zero in (0, 1):
         all_reduce = terms.ddp_buckets * terms.ar_lat_s + terms.ar_s_per_byte * grad
         ddp = max(terms.last_bucket_s, all_reduce - overlap_share(terms.ddp_buckets) * overlap)
-        return ddp + (lat + spb * weights if st.zero == 1 else 0.0)
+        return slowed(ddp, all_reduce) + (lat + spb * weights if st.zero == 1 else 0.0)
     reductions = 1 if st.pp > 1 else m  # reduce-scatters per step
     if st.zero == 2:
-        return reductions * max(0.0, load.layers * rlat + rspb * grad - overlap) + lat + spb * weights
+        rs = load.layers * rlat + rspb * grad
+        return reductions * slowed(max(0.0, rs - overlap), rs) + lat + spb * weights
     gather, reduce = load.layers * lat + spb * weights, load.layers * rlat + rspb * grad  # gather: fwd, bwd
     first, last = zero3_unhidden_s(terms)
     fwd, bwd = kappa * load.fwd_s, kappa * load.bwd_s
     if st.pp > 1:
-        return m * (max(first, gather - fwd) + max(first, gather - bwd)) + max(last, reduce - bwd)
-    return m * (max(first, gather - fwd) + max(first + last, gather + reduce - bwd))
+        gathers = max(first, gather - fwd) + max(first, gather - bwd)
+        return m * slowed(gathers, 2 * gather) + slowed(max(last, reduce - bwd), reduce)
+    return m * slowed(
+        max(first, gather - fwd) + max(first + last, gather + reduce - bwd), 2 * gather + reduce
+    )
 
 
 def zero3_unhidden_s(terms: Terms) -> tuple[float, float]:

@@ -76,8 +76,8 @@ def expert_factors(cluster: Cluster, st: Strategy) -> dict[str, float]:
     state = mem.state_bytes_per_param(st, shard=e) / mem.state_bytes_per_param(st)
     kind = "all_reduce" if st.zero <= 1 else "reduce_scatter"
     kind += "_bf16" if st.grad_reduce == "bf16" else ""
-    dense = comm.coefficients(kind, st.dp, comm.group_link(cluster, st.dims.axis("dp")))[1]
-    local = comm.coefficients(kind, e, comm.group_link(cluster, st.dims.axis("edp")))[1]
+    dense = comm.coefficients(kind, st.dp, comm.group_link(cluster, st.dims.axis("dp")), comm.BULK_BYTES)[1]
+    local = comm.coefficients(kind, e, comm.group_link(cluster, st.dims.axis("edp")), comm.BULK_BYTES)[1]
     return {
         "expert_state": state,
         "expert_optimizer": float(st.ep) if st.zero >= 1 else 1.0,

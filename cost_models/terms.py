@@ -18,7 +18,7 @@ from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models import comm
 from autopar.cost_models import memory as mem
 from autopar.cost_models import recompute as rc
-from autopar.cost_models.buckets import ddp_buckets, last_bucket_s
+from autopar.cost_models.buckets import ddp_bucket_bytes, ddp_buckets, last_bucket_s
 from autopar.cost_models.compression import (
     POWERSGD_LATENCY_FACTOR,
     compress_s_per_param,
@@ -139,6 +139,8 @@ class Terms:
     """Seconds per byte of one all-reduce (ring: 2(dp−1)/(dp·β))."""
     overlap: float
     """Share of compute time that can hide DP collectives (1 unless measured lower)."""
+    overlap_slowdown: float
+    """Compute seconds lost per second of DP communication hidden (``DeviceSpec.overlap_slowdown``)."""
     ddp_buckets: int
     """ZeRO 0–1: DDP's all-reduces per step, one per gradient bucket (``buckets.ddp_buckets``)."""
     last_bucket_s: float
@@ -248,7 +250,7 @@ class _UnitContext:
 
 def _collective_s(ctx: _UnitContext, name: str, size: float, k: int = 1) -> float:
     """Time of ``k`` TP collectives ``name`` of ``size`` bytes each (α + β·size)."""
-    a, b = comm.coefficients(name, ctx.st.tp, ctx.tp_link)
+    a, b = comm.coefficients(name, ctx.st.tp, ctx.tp_link, size)
     return k * (a + b * size)
 
 
@@ -280,9 +282,10 @@ def _tp_phases_s(ctx: _UnitContext, name: str, lc: LayerCost, chosen: TPLayer | 
             return _collective_s(ctx, "all_gather", out) + loss, _collective_s(ctx, "reduce_scatter", out)
         return loss, _collective_s(ctx, "all_reduce", out)
     kinds = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
+    each = lc.tp_reduce_bytes / max(1, lc.tp_reduce_count)
     one = sum(
         lc.tp_reduce_count * a + b * lc.tp_reduce_bytes
-        for a, b in (comm.coefficients(k, t, ctx.tp_link) for k in kinds)
+        for a, b in (comm.coefficients(k, t, ctx.tp_link, each) for k in kinds)
     )
     return one, one
 
@@ -388,9 +391,14 @@ def _bubble_rounds(st: Strategy, u: Unit) -> float:
     return bubble_rounds(st, fwd_s=fwd, bwd_input_s=u.time_s - fwd - u.wgrad_s, wgrad_s=u.wgrad_s)
 
 
-def _dp_coefficients(cluster: Cluster, st: Strategy) -> tuple[tuple[float, float], ...]:
+def _dp_coefficients(
+    cluster: Cluster, st: Strategy, unit_bytes: float, bucket_bytes: float
+) -> tuple[tuple[float, float], ...]:
     """(latency s, s per byte) of the DP group's all-gather, reduce-scatter and all-reduce; the
     reductions on bf16 tensors when the plan reduces in bf16 (measured apart by profile-comm).
+    Each as it runs its messages (``comm.coefficients``): a ZeRO unit's ``unit_bytes`` (one
+    block's parameters) for the gathers and reduce-scatters, a DDP bucket's ``bucket_bytes``
+    for the all-reduce.
 
     HSDP (``Strategy.dp_replicate`` r > 1, shard groups of k = dp / r consecutive DP ranks): the
     all-gather runs within a shard group (k ranks, stride tp), and each reduce-scatter of S bytes
@@ -400,14 +408,41 @@ def _dp_coefficients(cluster: Cluster, st: Strategy) -> tuple[tuple[float, float
     on = "_bf16" if st.grad_reduce == "bf16" else ""
     k, r, dims = st.dp_shard, st.dp_replicate, st.dims
     shard_link = comm.group_link(cluster, dims.axis("dp_shard" if r > 1 else "dp"))
-    gather = comm.coefficients("all_gather", k, shard_link)
-    rs_lat, rs_spb = comm.coefficients(f"reduce_scatter{on}", k, shard_link)
+    gather = comm.coefficients("all_gather", k, shard_link, unit_bytes)
+    rs_lat, rs_spb = comm.coefficients(f"reduce_scatter{on}", k, shard_link, unit_bytes)
     if r > 1:
         across = comm.group_link(cluster, dims.axis("dp_replicate"))
-        ar_lat, ar_spb = comm.coefficients(f"all_reduce{on}", r, across)
+        ar_lat, ar_spb = comm.coefficients(f"all_reduce{on}", r, across, unit_bytes / k)
         rs_lat, rs_spb = rs_lat + ar_lat, rs_spb + ar_spb / k
     dp_link = comm.group_link(cluster, dims.axis("dp"))
-    return gather, (rs_lat, rs_spb), comm.coefficients(f"all_reduce{on}", st.dp, dp_link)
+    return gather, (rs_lat, rs_spb), comm.coefficients(f"all_reduce{on}", st.dp, dp_link, bucket_bytes)
+
+
+def _dp_terms(
+    profile: ModelProfile, cluster: Cluster, st: Strategy, block_params: float, rank_params: float
+) -> dict[str, Any]:
+    """The DP/ZeRO fields of ``Terms``: the collectives' coefficients at the sizes they run
+    (one block's parameters per ZeRO unit, a DDP bucket), the buckets, the overlap."""
+    wire = wire_bytes_per_param(profile, st)
+    unit_bytes = block_params * mem.STATE_BYTES[st.dtype][0]
+    bucket_bytes = min(ddp_bucket_bytes(st), rank_params * wire)
+    (lat, s_per_byte), (rs_lat, rs_s_per_byte), (ar_lat, ar_s_per_byte) = _dp_coefficients(
+        cluster, st, unit_bytes, bucket_bytes
+    )
+    ar_lat *= POWERSGD_LATENCY_FACTOR if st.powersgd_rank else 1  # a chain of 3 all-reduces per bucket
+    return {
+        "grad_bytes": wire,
+        "lat_s": lat,
+        "s_per_byte": s_per_byte,
+        "rs_lat_s": rs_lat,
+        "rs_s_per_byte": rs_s_per_byte,
+        "ar_lat_s": ar_lat,
+        "ar_s_per_byte": ar_s_per_byte,
+        "overlap": cluster.comm_profile.overlap if cluster.comm_profile is not None else 1.0,
+        "overlap_slowdown": cluster.device.overlap_slowdown,
+        "ddp_buckets": ddp_buckets(rank_params, st),
+        "last_bucket_s": last_bucket_s(rank_params, st, ar_lat, ar_s_per_byte * wire),
+    }
 
 
 def build_terms(
@@ -428,9 +463,6 @@ def build_terms(
     p2p_bytes = st.micro_batch * st.seq * profile.hidden * profile.act_bytes / t  # scatter/gather: ÷t
     pp_link = comm.group_link(cluster, st.dims.axis("pp"))
     dp_link = comm.group_link(cluster, st.dims.axis("dp"))
-    (lat, s_per_byte), (rs_lat, rs_s_per_byte), (ar_lat, ar_s_per_byte) = _dp_coefficients(cluster, st)
-    ar_lat *= POWERSGD_LATENCY_FACTOR if st.powersgd_rank else 1  # a chain of 3 all-reduces per bucket
-    wire = wire_bytes_per_param(profile, st)
     rank_params = (profile.blocks * blocks["none"].params + embed.params + head.params) / p  # DDP: p = 1
     return Terms(
         strategy=st,
@@ -446,16 +478,7 @@ def build_terms(
         bubble_rounds=_bubble_rounds(st, blocks["none"]),
         state_bytes_per_param=mem.state_bytes_per_param(st),
         weight_bytes=mem.STATE_BYTES[st.dtype][0],
-        grad_bytes=wire,
-        lat_s=lat,
-        s_per_byte=s_per_byte,
-        rs_lat_s=rs_lat,
-        rs_s_per_byte=rs_s_per_byte,
-        ar_lat_s=ar_lat,
-        ar_s_per_byte=ar_s_per_byte,
-        overlap=cluster.comm_profile.overlap if cluster.comm_profile is not None else 1.0,
-        ddp_buckets=ddp_buckets(rank_params, st),
-        last_bucket_s=last_bucket_s(rank_params, st, ar_lat, ar_s_per_byte * wire),
+        **_dp_terms(profile, cluster, st, blocks["none"].params, rank_params),
         opt_s_per_param=optimizer_s_per_param(cluster, st) / (st.dp_shard if st.zero >= 1 else 1)
         + compress_s_per_param(cluster, st),
         loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq, vocab=profile.vocab, tp=t),

@@ -19,6 +19,7 @@ LAYERS = [
         "autopar.cache",
         "autopar.lazy",
         "autopar.units",
+        "autopar.gpus",
         "autopar.spec_fields",
         "autopar.measurements",
         "autopar.cluster",

@@ -12,6 +12,7 @@ term), so the ILP's optimum is the best layout's estimate. Solved with PuLP + Hi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pulp
@@ -210,9 +211,17 @@ class LayoutILP:
         rlat, rspb = terms.rs_lat_s * ts, terms.rs_s_per_byte * ts  # reduce-scatter
         grad, weights = params_k * terms.grad_bytes, params_k * terms.weight_bytes
         kappa = terms.overlap  # share of compute that hides DP collectives
-        bwd_k, fwd_k = self.lin(k, "bwd_s", ts), self.lin(k, "fwd_s", ts)
+        bwd_k = self.lin(k, "bwd_s", ts)
         overlap = kappa * (bwd_k - terms.block["none"].bwd_s * ts)
         hinge = pulp.LpVariable(f"dp_hidden_excess_{k}", lowBound=0)
+        s = terms.overlap_slowdown
+
+        def slowed(
+            exposed: pulp.LpAffineExpression, total: pulp.LpAffineExpression
+        ) -> pulp.LpAffineExpression:
+            # E + s·(C − E), as dp_exposed_s
+            return (1 - s) * exposed + s * total
+
         if st.zero in (0, 1):  # DDP's gradient all-reduce beyond what backward hides
             # an all-reduce per bucket, hidden by the backward after the first bucket fills
             # (``buckets.ddp_buckets``, ``buckets.overlap_share``)
@@ -222,7 +231,7 @@ class LayoutILP:
             self.prob += hinge >= terms.last_bucket_s * ts, f"ddp_last_bucket_{k}"
             # ZeRO-1: + the updated shards' broadcast (an all-gather of the weights)
             self.prob += (
-                self.dp_time >= hinge + (lat + spb * weights if st.zero == 1 else 0),
+                self.dp_time >= slowed(hinge, all_reduce) + (lat + spb * weights if st.zero == 1 else 0),
                 f"dp_exposed_{k}",
             )
         elif st.zero == 2:  # reduce-scatter beyond the overlap, per micro-batch + weight all-gather
@@ -230,26 +239,46 @@ class LayoutILP:
             rs = rspb * grad + layers_k * rlat
             reductions = 1 if st.pp > 1 else mb
             self.prob += hinge >= rs - overlap, f"zero_reduce_scatter_{k}"
-            self.prob += self.dp_time >= reductions * hinge + lat + spb * weights, f"dp_exposed_{k}"
-        else:  # ZeRO-3: weight gathers beyond forward / backward compute, every micro-batch
-            # (one gather before the backward serves a recomputed forward too: ``dp_exposed_s``)
-            gather_b = pulp.LpVariable(f"zero3_backward_excess_{k}", lowBound=0)
-            gather = layers_k * lat + spb * weights
-            first, last = (x * ts for x in zero3_unhidden_s(terms))
-            self.prob += hinge >= gather - kappa * fwd_k, f"zero3_forward_gather_{k}"
-            self.prob += hinge >= first, f"zero3_first_gather_{k}"
-            reduce = layers_k * rlat + rspb * grad
-            if st.pp > 1:  # the reduce-scatters once per step, in the last backward
-                reduce_x = pulp.LpVariable(f"zero3_reduce_excess_{k}", lowBound=0)
-                self.prob += gather_b >= gather - kappa * bwd_k, f"zero3_backward_gather_{k}"
-                self.prob += gather_b >= first, f"zero3_first_backward_gather_{k}"
-                self.prob += reduce_x >= reduce - kappa * bwd_k, f"zero3_reduce_{k}"
-                self.prob += reduce_x >= last, f"zero3_last_reduce_{k}"
-                self.prob += self.dp_time >= mb * (hinge + gather_b) + reduce_x, f"dp_exposed_{k}"
-                return
-            self.prob += gather_b >= gather + reduce - kappa * bwd_k, f"zero3_backward_gather_reduce_{k}"
-            self.prob += gather_b >= first + last, f"zero3_first_gather_last_reduce_{k}"
-            self.prob += self.dp_time >= mb * (hinge + gather_b), f"dp_exposed_{k}"
+            self.prob += (
+                self.dp_time >= reductions * slowed(hinge, rs) + lat + spb * weights,
+                f"dp_exposed_{k}",
+            )
+        else:
+            self.add_zero3_exposure(
+                k, hinge, slowed, layers_k * lat + spb * weights, layers_k * rlat + rspb * grad
+            )
+
+    def add_zero3_exposure(
+        self,
+        k: int,
+        hinge: pulp.LpVariable,
+        slowed: Callable[[pulp.LpAffineExpression, pulp.LpAffineExpression], pulp.LpAffineExpression],
+        gather: pulp.LpAffineExpression,
+        reduce: pulp.LpAffineExpression,
+    ) -> None:
+        """ZeRO-3: weight gathers beyond forward / backward compute, every micro-batch (one
+        gather before the backward serves a recomputed forward too: ``dp_exposed_s``)."""
+        terms, st, ts, mb = self.terms, self.strategy, self.ts, self.strategy.micro_batches
+        kappa = terms.overlap
+        bwd_k, fwd_k = self.lin(k, "bwd_s", ts), self.lin(k, "fwd_s", ts)
+        gather_b = pulp.LpVariable(f"zero3_backward_excess_{k}", lowBound=0)
+        first, last = (x * ts for x in zero3_unhidden_s(terms))
+        self.prob += hinge >= gather - kappa * fwd_k, f"zero3_forward_gather_{k}"
+        self.prob += hinge >= first, f"zero3_first_gather_{k}"
+        if st.pp > 1:  # the reduce-scatters once per step, in the last backward
+            reduce_x = pulp.LpVariable(f"zero3_reduce_excess_{k}", lowBound=0)
+            self.prob += gather_b >= gather - kappa * bwd_k, f"zero3_backward_gather_{k}"
+            self.prob += gather_b >= first, f"zero3_first_backward_gather_{k}"
+            self.prob += reduce_x >= reduce - kappa * bwd_k, f"zero3_reduce_{k}"
+            self.prob += reduce_x >= last, f"zero3_last_reduce_{k}"
+            self.prob += (
+                self.dp_time >= mb * slowed(hinge + gather_b, 2 * gather) + slowed(reduce_x, reduce),
+                f"dp_exposed_{k}",
+            )
+            return
+        self.prob += gather_b >= gather + reduce - kappa * bwd_k, f"zero3_backward_gather_reduce_{k}"
+        self.prob += gather_b >= first + last, f"zero3_first_gather_last_reduce_{k}"
+        self.prob += self.dp_time >= mb * slowed(hinge + gather_b, 2 * gather + reduce), f"dp_exposed_{k}"
 
     def layout(self) -> tuple[tuple[int, ...], ...]:
         """The solved counts per rank and recompute choice (``Strategy.choices``)."""

@@ -74,7 +74,10 @@ def test_exposed_all_reduce_by_hand(small_gpt_profile) -> None:
     tail = terms.ar_lat_s + terms.ar_s_per_byte * 4 * 2**20 / 4  # 1 MiB of fp32 gradients
     all_reduce = n * terms.ar_lat_s + terms.ar_s_per_byte * 4 * params
     assert terms.last_bucket_s == pytest.approx(tail)
-    assert dp_exposed_s(terms, load) == pytest.approx(max(tail, all_reduce - (1 - 1 / n) * overlap))
+    exposed = max(tail, all_reduce - (1 - 1 / n) * overlap)
+    s = terms.overlap_slowdown  # the hidden part costs s of itself: E + s·(C − E)
+    assert s == cluster.device.overlap_slowdown > 0
+    assert dp_exposed_s(terms, load) == pytest.approx(exposed + s * (all_reduce - exposed))
     one = build_terms(small_gpt_profile, cluster, replace(st, bucket_mb=100))  # one bucket: no overlap
     assert one.ddp_buckets == 1
     assert dp_exposed_s(one, load) == pytest.approx(one.ar_lat_s + one.ar_s_per_byte * 4 * params)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from autopar import Cluster
+from autopar.cost_models import nccl
 from autopar.cost_models.estimate import estimate
 from autopar.cost_models.terms import build_terms
 from autopar.strategy import Strategy, StrategyError
@@ -38,18 +39,23 @@ def test_json_and_shard_degree() -> None:
 
 def test_coefficients_by_hand(small_gpt_profile) -> None:
     """4 nodes of 2 GPUs on 25 GbE, dp 8 as 4 replicas of 2-rank shard groups (one node each).
-    Gather within the node: (k−1)·α_nvl, (k−1)/(k·β_nvl); reduce: the node's reduce-scatter, then
-    the S/k shard all-reduced across r = 4 nodes at the NIC's share per GPU (β_x = 25 GbE·0.9/2):
-    α = α_nvl + 2(r−1)·α_x, σ = 1/(2β_nvl) + 2(r−1)/r/β_x/k. States ÷ k, the optimizer ÷ k."""
+    Gather within the node: one block's all-gather over k = 2 ranks on PCIe, as NCCL runs it;
+    reduce: the node's reduce-scatter, then the S/k shard all-reduced across r = 4 nodes, one
+    rank per node on its NIC's share (25 GbE·0.9/2): α = α_rs + α_ar, σ = σ_rs + σ_ar/k.
+    States ÷ k, the optimizer ÷ k."""
     cluster = Cluster.preset("a100-pcie-25gbe", nodes=4, gpus_per_node=2)
     st = Strategy(dp=8, zero=3, dp_replicate=4, global_batch=8, micro_batch=1, seq=SEQ)
     terms = build_terms(small_gpt_profile, cluster, st)
-    a_in, b_in = cluster.intra_node.latency_s, cluster.intra_node.bandwidth_bytes_per_s
-    a_x, b_x = cluster.inter_node.latency_s, cluster.inter_node.bandwidth_bytes_per_s / 2
     k, r = 2, 4
-    assert (terms.lat_s, terms.s_per_byte) == pytest.approx(((k - 1) * a_in, (k - 1) / k / b_in))
-    assert terms.rs_lat_s == pytest.approx((k - 1) * a_in + 2 * (r - 1) * a_x)
-    assert terms.rs_s_per_byte == pytest.approx((k - 1) / k / b_in + 2 * (r - 1) / r / b_x / k)
+    unit = small_gpt_profile.layer_types[small_gpt_profile.layers[1]].params * 2  # bf16 block
+    pci = dict(arch="ampere", nvlink=False, nvswitch=False, intra_bus_bytes_per_s=20e9)
+    pci["nic_bytes_per_s"] = 25e9 / 8 * 0.9 / 2  # 25 GbE at 90%, two GPUs per node
+    node, across = nccl.NcclGroup(ranks=k, nodes=1, **pci), nccl.NcclGroup(ranks=r, nodes=r, **pci)
+    gather = nccl.choose("all_gather", unit, node)
+    rs, ar = nccl.choose("reduce_scatter", unit, node), nccl.choose("all_reduce", unit / k, across)
+    assert (terms.lat_s, terms.s_per_byte) == pytest.approx((gather.latency_s, gather.seconds_per_byte))
+    assert terms.rs_lat_s == pytest.approx(rs.latency_s + ar.latency_s)
+    assert terms.rs_s_per_byte == pytest.approx(rs.seconds_per_byte + ar.seconds_per_byte / k)
     assert terms.state_bytes_per_param == pytest.approx(16 / k)
     flat = build_terms(small_gpt_profile, cluster, replace(st, dp_replicate=1))
     assert flat.state_bytes_per_param == pytest.approx(16 / 8)
