@@ -108,7 +108,7 @@ def profiles(model: tuple[str, tuple[tuple[str, Any], ...]], seq: int) -> ModelP
     return ModelProfiles.of(module, dtype="bf16", seq=seq)
 
 
-def _flops(row_model: Any, measured: dict[str, Any], b: int, s: int, params: float) -> float:
+def _flops(row_model: Any, measured: dict[str, Any], b: int, s: int, params: Callable[[], float]) -> float:
     """The FLOPs one step counts under the row's metric and convention (module doc)."""
     cfg = row_model
     l = cfg.n_layer  # noqa: E741
@@ -120,14 +120,17 @@ def _flops(row_model: Any, measured: dict[str, Any], b: int, s: int, params: flo
     if convention == "megatron":
         return 72 * b * s * l * h**2 * (1 + s / (6 * h) + v / (12 * l * h))
     if convention == "6N+12lhs":
-        return (6 * params + 12 * l * h * s) * b * s
+        return (6 * params() + 12 * l * h * s) * b * s
     if convention == "6N":
-        return 6 * params * b * s
+        return 6 * params() * b * s
     raise ValueError(f"unknown FLOP convention {measured.get('convention')!r}")
 
 
-def measured_step_s(row_model: Any, measured: dict[str, Any], st: Strategy, params: float) -> float:
-    """Seconds per optimizer step the source measured (module doc)."""
+def measured_step_s(
+    row_model: Any, measured: dict[str, Any], st: Strategy, params: Callable[[], float]
+) -> float:
+    """Seconds per optimizer step the source measured (module doc); ``params``: the model's
+    parameter count, asked only by the conventions that count 6 FLOPs per parameter."""
     metric, value = measured["metric"], float(measured["value"])
     b, s, g = st.global_batch, st.seq, st.world_size
     if metric == "step_time_s":
@@ -161,6 +164,7 @@ def _strategy(layout: dict[str, Any]) -> Strategy:
         virtual_stages=int(layout.get("virtual_stages", 1) or 1),
         sequence_parallel=bool(layout.get("sequence_parallel", False)),
         ep=int(layout.get("ep", 1) or 1),
+        grad_reduce=str(layout.get("grad_reduce", "fp32")),
         dp_replicate=dp // int(shard) if shard else 1,
     )
 
@@ -181,8 +185,7 @@ def _row(source: str, raw: dict[str, Any]) -> Row:
     step = 0.0
     if not not_priced:
         shape = _shape(model, st.seq)
-        params = profiles(model, st.seq).base.total_params
-        step = measured_step_s(shape, raw["measured"], st, params)
+        step = measured_step_s(shape, raw["measured"], st, lambda: profiles(model, st.seq).base.total_params)
     return Row(
         source=source,
         name=str(raw["name"]),
@@ -232,6 +235,13 @@ def predictor(row: Row) -> Callable[[Cluster], float]:
     return lambda cluster: estimate(prof, cluster, st, tp_layout=layout).step_time_s
 
 
+def predict_peak_gib(row: Row) -> float:
+    """autopar's peak memory per GPU for the row (the largest stage's, with the reserve), GiB."""
+    profs = profiles(row.model, row.strategy.seq)
+    est = Pricer(profs, row.cluster, dtype="bf16").estimate(priced_strategy(row))
+    return max(m.peak_bytes for m in est.memory) / 2**30
+
+
 def predict_step_s(row: Row, cluster: Cluster | None = None) -> float:
     """autopar's seconds per step for the row (``planner.Pricer``, the path of ``autopar plan``
     and ``autopar estimate``), on ``cluster`` (the row's, with fitted constants) if given."""
@@ -245,6 +255,7 @@ __all__ = [
     "Row",
     "load",
     "measured_step_s",
+    "predict_peak_gib",
     "predict_step_s",
     "predictor",
     "priced_strategy",

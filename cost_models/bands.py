@@ -42,6 +42,16 @@ class Band:
         return {"regime": self.regime, "rel": self.rel, "n": self.n, "too_fast_share": self.too_fast_share}
 
 
+def band_text(band: dict[str, float | int | str]) -> str:
+    """``Band.text`` of a band as ``Band.to_dict`` wrote it (a plan's JSON)."""
+    return Band(
+        regime=str(band["regime"]),
+        rel=float(band["rel"]),
+        n=int(band["n"]),
+        too_fast_share=float(band["too_fast_share"]),
+    ).text()
+
+
 def layout_regime(st: Strategy) -> str:
     """The layout family a strategy belongs to: ``3-D`` (a pipeline), ``FSDP×TP`` or ``TP×DP``
     (tensor parallel with or without ZeRO-2/3), ``FSDP`` or ``DP``."""
@@ -68,4 +78,4 @@ def band(st: Strategy, device_name: str) -> Band | None:
     return None
 
 
-__all__ = ["BAND_QUANTILE", "MIN_RUNS", "Band", "band", "layout_regime", "regime"]
+__all__ = ["BAND_QUANTILE", "MIN_RUNS", "Band", "band", "band_text", "layout_regime", "regime"]

@@ -25,6 +25,24 @@ ADAM_BYTES_PER_PARAM = 30
 """Adam step traffic: read fp32 master, m, v, grad (16 B); write master, m, v, 16-bit weight (14 B)."""
 
 
+LOSS_BYTES_PER_LOGIT = (22, 30)
+"""HBM bytes the language-model loss moves per logit, forward and backward, as
+``runtime.loss.lm_loss`` runs it in eager kernels, each reading and writing its tensors once
+(log_softmax reads its input twice: a max/sum pass, then the output pass). Forward: the shifted
+slice made contiguous (read 2 + write 2 in bf16), the fp32 upcast (2 + 4), log_softmax (8 + 4),
+NLL (one value per row) = 22. Backward: NLL's dense gradient (write 4), log_softmax's (read the
+gradient and the output, write 4 + 4 + 4), the upcast's (4 + 2), the slice's into a zeroed
+full-size gradient (2 + 2 + 2) + NLL zeroing (4) = 30."""
+
+
+def loss_time_s(logits: float, device: DeviceSpec) -> tuple[float, float]:
+    """(forward, backward) seconds of the loss over ``logits`` logits on one GPU: memory-bound,
+    ``LOSS_BYTES_PER_LOGIT`` at the device's HBM bandwidth."""
+    fwd, bwd = LOSS_BYTES_PER_LOGIT
+    bw = device.hbm_bandwidth_bytes_per_s
+    return logits * fwd / bw, logits * bwd / bw
+
+
 def roofline_time_s(flops: float, mem_bytes: float, *, flops_per_s: float, bytes_per_s: float) -> float:
     """max(flops / flops_per_s, mem_bytes / bytes_per_s)."""
     return max(flops / flops_per_s, mem_bytes / bytes_per_s)

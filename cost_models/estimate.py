@@ -23,6 +23,7 @@ from typing import Any
 
 from autopar.cluster import Cluster
 from autopar.cost_models import comm
+from autopar.cost_models.bands import Band, band
 from autopar.cost_models.dp_overlap import dp_exposed_s
 from autopar.cost_models.profile import ModelProfile
 from autopar.cost_models.rank_load import RankLoad, optimizer_s, rank_load, rank_memory_terms
@@ -98,6 +99,9 @@ class Estimate:
     recompute_choices: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per recompute choice (``Strategy.choices``), what one block costs per micro-batch on one
     GPU: ``act_bytes`` kept for backward and ``recompute_s`` redone in backward."""
+    band: Band | None = None
+    """How far predictions of this regime have been from measured runs they never saw
+    (``bands.band``); None where the cluster's measured compute profile prices the step."""
 
     @property
     def fits(self) -> bool:
@@ -123,6 +127,7 @@ class Estimate:
             "stage_times": [t.to_dict() for t in self.stage_times],
             "p2p_hop_s": self.p2p_hop_s,
             "recompute_choices": {k: dict(v) for k, v in self.recompute_choices.items()},
+            "band": self.band.to_dict() if self.band is not None else None,
         }
 
 
@@ -172,6 +177,7 @@ def estimate(
         recompute_choices={
             r: {"act_bytes": u.act_bytes, "recompute_s": u.recompute_s} for r, u in terms.block.items()
         },
+        band=band(st, cluster.device.name) if cluster.compute_profile is None else None,
     )
 
 
@@ -214,10 +220,17 @@ def _topology_notes(terms: Terms, cluster: Cluster, st: Strategy) -> list[str]:
     if terms.tp_crosses_nodes:
         notes.append(f"tp={st.tp} spans nodes: its collectives use the inter-node network")
     if terms.dp_crosses_nodes:
-        per_gpu = cluster.inter_node.bandwidth_bytes_per_s / cluster.gpus_per_node
+        axis = st.dims.axis("dp")
+        group = comm.nccl_group(cluster, axis)
+        per_node = axis.per_node(cluster.gpus_per_node)
+        nic = cluster.inter_node.bandwidth_bytes_per_s / cluster.gpus_per_node
+        bus = (
+            group.bus_bytes_per_s if group is not None else min(nic, cluster.intra_node.bandwidth_bytes_per_s)
+        )
         hsdp = st.dp_replicate > 1
         notes.append(
-            f"dp={st.dp} spans nodes ({per_gpu / 1e9:.0f} GB/s per GPU)"
+            f"dp={st.dp} spans nodes, {per_node} rank(s) per node: a ring over "
+            f"{per_node if group is not None else 1} NIC(s) of {nic / 1e9:.0f} GB/s, {bus / 1e9:.0f} GB/s"
             + (f"; HSDP: {st.dp_replicate} replicas of {st.dp_shard}-rank shard groups" if hsdp else "")
         )
     return notes

@@ -18,18 +18,17 @@ from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models import comm
 from autopar.cost_models import memory as mem
 from autopar.cost_models import recompute as rc
-from autopar.cost_models.buckets import ddp_bucket_bytes, ddp_buckets, last_bucket_s
 from autopar.cost_models.compression import (
-    POWERSGD_LATENCY_FACTOR,
     compress_s_per_param,
-    wire_bytes_per_param,
 )
 from autopar.cost_models.compute import (
     layer_backward_s,
     layer_forward_s,
+    loss_time_s,
     optimizer_s_per_param,
     weight_grad_s,
 )
+from autopar.cost_models.dp_comm import dp_terms
 from autopar.cost_models.experts import (
     ep_backward_s,
     ep_forward_s,
@@ -290,27 +289,41 @@ def _tp_phases_s(ctx: _UnitContext, name: str, lc: LayerCost, chosen: TPLayer | 
     return one, one
 
 
+def _loss_s(ctx: _UnitContext, name: str) -> tuple[float, float]:
+    """The loss's forward and backward seconds on the head's rank (``compute.loss_time_s``),
+    over its micro_batch·seq·vocab/tp logits (vocabulary-parallel under TP); 0 elsewhere."""
+    if name != "head":
+        return 0.0, 0.0
+    st = ctx.st
+    return loss_time_s(st.micro_batch * st.seq * ctx.profile.vocab / st.tp, ctx.device)
+
+
+def _measured(ctx: _UnitContext, name: str, compiled: bool) -> LayerTiming | None:
+    """The cluster's measured timing of layer type ``name`` at this strategy, if it has one (a
+    compiled profile times the embedding and head eager)."""
+    st = ctx.st
+    if ctx.measured is None:
+        return None
+    return ctx.measured.timing(
+        name,
+        micro_batch=st.micro_batch,
+        seq=st.seq,
+        tp=st.tp,
+        sp=st.sequence_parallel,
+        dtype=st.dtype,
+        compiled=compiled,
+    )
+
+
 def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     """The unit of layer type ``name`` under recompute choice ``choice``."""
-    profile, st, measured, tp_layout = ctx.profile, ctx.st, ctx.measured, ctx.tp_layout
+    profile, st, tp_layout = ctx.profile, ctx.st, ctx.tp_layout
     t, sp = st.tp, st.sequence_parallel
     lc = profile.layer_types[name]
     # the blocks are compiled, but a TP block with selective recompute compiles only its
     # checkpointed attention and runs the rest eagerly (``passes/compile.py``): priced eager
     compiled = st.compile == "block" and not (t > 1 and choice == "selective")
-    got = (
-        measured.timing(
-            name,
-            micro_batch=st.micro_batch,
-            seq=st.seq,
-            tp=t,
-            sp=sp,
-            dtype=st.dtype,
-            compiled=compiled,  # a compiled profile times the embedding and head eager
-        )
-        if measured
-        else None
-    )
+    got = _measured(ctx, name, compiled)
     chosen = tp_layout.get(name) if tp_layout and t > 1 else None
     share = chosen.stream_share if chosen is not None else None
     compiled = compiled and name not in ("embed", "head")
@@ -320,11 +333,17 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
         if got
         else layer_forward_s(lc, ctx.device, st.dtype, tp=t, sp=sp, stream_share=share, compiled=compiled)
     )
+    loss_fwd, loss_bwd = _loss_s(ctx, name) if got is None else (0.0, 0.0)  # measured: timed with it
+    fwd += loss_fwd
     tp_fwd, tp_bwd = _tp_phases_s(ctx, name, lc, chosen)
     ep_fwd, ep_bwd = ep_forward_s(lc, st, ctx.ep_link), ep_backward_s(lc, st, ctx.ep_link)
     redo_s, act, redo_flops = _redone(ctx, lc, choice, fwd, stream_share=share, measured=got)
     whole_block = choice == "full" or st.policy(choice) is not None  # its forward's collectives again
-    bwd = got.backward_s + 2 * skew_s if got else layer_backward_s(lc, ctx.device, st.dtype, tp=t, fwd_s=fwd)
+    bwd = (
+        got.backward_s + 2 * skew_s
+        if got
+        else layer_backward_s(lc, ctx.device, st.dtype, tp=t, fwd_s=fwd - loss_fwd) + loss_bwd
+    )
     experts = lc.expert_params / st.ep  # E/ep experts whole on the rank (TP replicates them)
     dense = (lc.params - lc.expert_params) / t if chosen is None else chosen.local_params - lc.expert_params
     params = dense + experts
@@ -391,60 +410,6 @@ def _bubble_rounds(st: Strategy, u: Unit) -> float:
     return bubble_rounds(st, fwd_s=fwd, bwd_input_s=u.time_s - fwd - u.wgrad_s, wgrad_s=u.wgrad_s)
 
 
-def _dp_coefficients(
-    cluster: Cluster, st: Strategy, unit_bytes: float, bucket_bytes: float
-) -> tuple[tuple[float, float], ...]:
-    """(latency s, s per byte) of the DP group's all-gather, reduce-scatter and all-reduce; the
-    reductions on bf16 tensors when the plan reduces in bf16 (measured apart by profile-comm).
-    Each as it runs its messages (``comm.coefficients``): a ZeRO unit's ``unit_bytes`` (one
-    block's parameters) for the gathers and reduce-scatters, a DDP bucket's ``bucket_bytes``
-    for the all-reduce.
-
-    HSDP (``Strategy.dp_replicate`` r > 1, shard groups of k = dp / r consecutive DP ranks): the
-    all-gather runs within a shard group (k ranks, stride tp), and each reduce-scatter of S bytes
-    within it is followed by an all-reduce of its S/k output across the r groups (stride tp·k),
-    as FSDP2 reduces each unit under HSDP: α_r = α_rs(k) + α_ar(r), σ_r = σ_rs(k) + σ_ar(r)/k.
-    The all-reduce (DDP, ZeRO 0–1) spans the whole DP axis: HSDP needs ZeRO-2/3."""
-    on = "_bf16" if st.grad_reduce == "bf16" else ""
-    k, r, dims = st.dp_shard, st.dp_replicate, st.dims
-    shard_link = comm.group_link(cluster, dims.axis("dp_shard" if r > 1 else "dp"))
-    gather = comm.coefficients("all_gather", k, shard_link, unit_bytes)
-    rs_lat, rs_spb = comm.coefficients(f"reduce_scatter{on}", k, shard_link, unit_bytes)
-    if r > 1:
-        across = comm.group_link(cluster, dims.axis("dp_replicate"))
-        ar_lat, ar_spb = comm.coefficients(f"all_reduce{on}", r, across, unit_bytes / k)
-        rs_lat, rs_spb = rs_lat + ar_lat, rs_spb + ar_spb / k
-    dp_link = comm.group_link(cluster, dims.axis("dp"))
-    return gather, (rs_lat, rs_spb), comm.coefficients(f"all_reduce{on}", st.dp, dp_link, bucket_bytes)
-
-
-def _dp_terms(
-    profile: ModelProfile, cluster: Cluster, st: Strategy, block_params: float, rank_params: float
-) -> dict[str, Any]:
-    """The DP/ZeRO fields of ``Terms``: the collectives' coefficients at the sizes they run
-    (one block's parameters per ZeRO unit, a DDP bucket), the buckets, the overlap."""
-    wire = wire_bytes_per_param(profile, st)
-    unit_bytes = block_params * mem.STATE_BYTES[st.dtype][0]
-    bucket_bytes = min(ddp_bucket_bytes(st), rank_params * wire)
-    (lat, s_per_byte), (rs_lat, rs_s_per_byte), (ar_lat, ar_s_per_byte) = _dp_coefficients(
-        cluster, st, unit_bytes, bucket_bytes
-    )
-    ar_lat *= POWERSGD_LATENCY_FACTOR if st.powersgd_rank else 1  # a chain of 3 all-reduces per bucket
-    return {
-        "grad_bytes": wire,
-        "lat_s": lat,
-        "s_per_byte": s_per_byte,
-        "rs_lat_s": rs_lat,
-        "rs_s_per_byte": rs_s_per_byte,
-        "ar_lat_s": ar_lat,
-        "ar_s_per_byte": ar_s_per_byte,
-        "overlap": cluster.comm_profile.overlap if cluster.comm_profile is not None else 1.0,
-        "overlap_slowdown": cluster.device.overlap_slowdown,
-        "ddp_buckets": ddp_buckets(rank_params, st),
-        "last_bucket_s": last_bucket_s(rank_params, st, ar_lat, ar_s_per_byte * wire),
-    }
-
-
 def build_terms(
     profile: ModelProfile,
     cluster: Cluster,
@@ -478,7 +443,7 @@ def build_terms(
         bubble_rounds=_bubble_rounds(st, blocks["none"]),
         state_bytes_per_param=mem.state_bytes_per_param(st),
         weight_bytes=mem.STATE_BYTES[st.dtype][0],
-        **_dp_terms(profile, cluster, st, blocks["none"].params, rank_params),
+        **dp_terms(profile, cluster, st, blocks["none"].params, rank_params),
         opt_s_per_param=optimizer_s_per_param(cluster, st) / (st.dp_shard if st.zero >= 1 else 1)
         + compress_s_per_param(cluster, st),
         loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq, vocab=profile.vocab, tp=t),

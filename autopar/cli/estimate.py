@@ -198,6 +198,8 @@ def _print_estimate(console: Console, model: str, cluster: Any, st: Any, est: An
         table.add_row(term.replace("_", " "), f"{value:.4f}", f"{100 * value / est.step_time_s:.1f}%")
     table.add_row("[bold]step[/bold]", f"[bold]{est.step_time_s:.4f}[/bold]", "100%")
     console.print(table)
+    if est.band is not None:
+        console.print(f"error band: step {est.step_time_s:.4g} s {est.band.text()}")
     policy = st.policy(st.recompute)
     if policy is not None:
         cost, none = est.recompute_choices[st.recompute], est.recompute_choices["none"]

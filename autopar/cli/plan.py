@@ -23,6 +23,7 @@ from autopar.cli.common import (
     spinner,
 )
 from autopar.cli.dryrun import check, check_verdict
+from autopar.cost_models.bands import band_text
 from autopar.errors import AutoparError
 from autopar.files import check_writable, write_atomic
 from autopar.plan import Plan
@@ -170,6 +171,8 @@ def _print_plan(console: Console, plan: Plan) -> None:
         f"HFU {100 * pred['hfu']:.1f}%); pipeline bubble "
         f"{100 * pred['breakdown_s']['bubble'] / pred['step_time_s']:.1f}% of the step"
     )
+    if pred.get("band"):
+        console.print(f"error band: step {pred['step_time_s']:.3f} s {band_text(pred['band'])}")
     for note in pred.get("notes", []):
         console.print(f"[dim]note: {note}[/dim]")
 
@@ -191,7 +194,8 @@ def _print_why(console: Console, alternatives: list[dict[str, Any]], baselines: 
         st = c["strategy"]
         sched = st["schedule"] + (f" v={st['virtual_stages']}" if st["virtual_stages"] > 1 else "")
         degrees = (str(st.get(k, 1)) for k in ("tp", "pp", "dp", "ep", "zero", "micro_batch"))
-        why.add_row(label, *degrees, sched, f"{c['step_time_s']:.3f}", f"{c['slower_by']:.2f}× slower")
+        versus = "tied (within the band)" if c.get("tied") else f"{c['slower_by']:.2f}× slower"
+        why.add_row(label, *degrees, sched, f"{c['step_time_s']:.3f}", versus)
 
     for i, c in enumerate(alternatives, 1):
         row(f"runner-up {i}", c)

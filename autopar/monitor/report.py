@@ -12,6 +12,7 @@ import html
 import statistics
 from typing import Any
 
+from autopar.cost_models.bands import band_text
 from autopar.cost_models.timeline import simulate, stage_times_from_dicts
 from autopar.errors import AutoparError
 from autopar.monitor import figures
@@ -123,6 +124,7 @@ def _header(plan: Plan) -> str:
         f"<pre>{html.escape(plan.text())}</pre>"
         + _table(["predicted", ""], rows)
         + f"<p>Compute priced with {html.escape(p.get('compute_basis', ''))}.</p>"
+        + (f"<p>Error band: step {html.escape(band_text(p['band']))}.</p>" if p.get("band") else "")
         + (f"<ul>{notes}</ul>" if notes else "")
     )
 

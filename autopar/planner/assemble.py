@@ -64,9 +64,10 @@ def make_plan(
     )
     alternatives, hand = tuple(res.found[1:]), baselines(request, pricer)
     best_s = plan.predicted["step_time_s"]
+    rel = best.estimate.band.rel if best.estimate.band is not None else 0.0
     why = {
-        "alternatives": [c.to_dict(best_s) for c in alternatives],
-        "baselines": {k: (c.to_dict(best_s) if c else None) for k, c in hand.items()},
+        "alternatives": [c.to_dict(best_s, rel) for c in alternatives],
+        "baselines": {k: (c.to_dict(best_s, rel) if c else None) for k, c in hand.items()},
     }
     return PlanResult(
         plan=replace(plan, why=why),

@@ -54,9 +54,11 @@ class Candidate:
     estimate: Estimate
     gap: float
 
-    def to_dict(self, best_s: float) -> dict[str, Any]:
+    def to_dict(self, best_s: float, band: float = 0.0) -> dict[str, Any]:
         """JSON-ready: the strategy (``Strategy.to_dict``, as in a Plan) and its predicted step
-        against ``best_s``, the chosen plan's."""
+        against ``best_s``, the chosen plan's; ``tied`` when it is slower by no more than
+        ``band``, the chosen plan's held-out error band (``cost_models.bands``): the cost model
+        cannot tell the two apart."""
         est = self.estimate
         return {
             "strategy": self.strategy.to_dict(),
@@ -64,6 +66,7 @@ class Candidate:
             "tflops_per_gpu": est.tflops_per_gpu,
             "fits": est.fits,
             "slower_by": est.step_time_s / best_s,
+            "tied": est.step_time_s <= best_s * (1 + band),
         }
 
 
