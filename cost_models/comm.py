@@ -115,7 +115,7 @@ def nccl_group(cluster: Cluster, axis: Axis) -> nccl.NcclGroup | None:
     fast = cluster.intra_node.bandwidth_bytes_per_s >= NVLINK_MIN_BYTES_PER_S
     return nccl.NcclGroup(
         ranks=axis.size,
-        nodes=axis.size // per_node,
+        nodes=-(-axis.size // per_node),  # a group not aligned to nodes touches one more
         arch=arch,
         nvlink=fast,
         nvswitch=fast,

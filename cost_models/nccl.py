@@ -147,12 +147,13 @@ class NcclGroup:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
-        if self.ranks < 1 or self.nodes < 1 or self.ranks % self.nodes:
-            raise ValueError(f"{self.ranks} ranks do not spread evenly over {self.nodes} nodes")
+        if not 1 <= self.nodes <= self.ranks:
+            raise ValueError(f"{self.ranks} ranks cannot span {self.nodes} nodes")
 
     @property
     def per_node(self) -> int:
-        """Ranks of the group on one node."""
+        """Ranks of the group on one node (NCCL's nRanks / nNodes, rounded down where a group
+        is not aligned to nodes)."""
         return self.ranks // self.nodes
 
     @property
@@ -351,7 +352,7 @@ def resized(g: NcclGroup, n: int) -> NcclGroup:
     if n == g.ranks:
         return g
     per = max(1, min(g.per_node, n))
-    return replace(g, ranks=per * max(1, n // per), nodes=max(1, n // per))
+    return replace(g, ranks=n, nodes=-(-n // per))
 
 
 __all__ = [

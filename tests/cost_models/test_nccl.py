@@ -126,5 +126,7 @@ def test_group_shapes_from_the_mesh() -> None:
     assert rails is not None and (rails.ranks, rails.nodes, rails.per_node) == (16, 16, 1)
     assert full is not None and (full.nodes, full.per_node) == (16, 8)
     assert rails.bus_bytes_per_s == pytest.approx(25e9) and full.bus_bytes_per_s == pytest.approx(200e9)
+    odd = comm.nccl_group(cluster, Axis("dp", 124, 1))  # not aligned to nodes: touches 16 of them
+    assert odd is not None and (odd.ranks, odd.nodes, odd.per_node) == (124, 16, 7)
     assert comm.nccl_group(Cluster.preset("cpu"), Axis("dp", 2, 1)) is None
     assert arch_of("H100-SXM5-80GB") == "hopper" and arch_of("cpu-rank") is None
