@@ -32,9 +32,14 @@ svg { max-width: 100%; height: auto; }
 
 
 def report_html(
-    plan: Plan, *, metrics: list[dict[str, Any]] | None = None, with_png: bool = False
+    plan: Plan,
+    *,
+    metrics: list[dict[str, Any]] | None = None,
+    dryrun: list[dict[str, Any]] | None = None,
+    with_png: bool = False,
 ) -> tuple[str, dict[str, bytes]]:
-    """The page, and the figures as PNG bytes by name when ``with_png``."""
+    """The page, and the figures as PNG bytes by name when ``with_png``; ``dryrun``: the ranks of
+    ``autopar dryrun --json`` (``DryRun.to_dict``), shown next to the predicted memory."""
     if "stage_times" not in plan.predicted:
         raise AutoparError(
             "this plan was written by an older autopar (its prediction has no per-stage times): "
@@ -68,6 +73,11 @@ def report_html(
         "<h2>Memory per stage</h2>",
         _memory_table(plan),
         figure("memory", figures.memory_figure(plan), "Predicted peak per GPU of each stage, by term."),
+        *(
+            ["<h2>Dry run: each distinct rank's program on fake tensors</h2>", _dryrun_table(dryrun)]
+            if dryrun
+            else []
+        ),
         "<h2>Stages</h2>",
         _stages_table(plan),
         "<h2>Why this plan: runners-up and baselines</h2>",
@@ -127,6 +137,30 @@ def _header(plan: Plan) -> str:
         + (f"<p>Error band: step {html.escape(band_text(p['band']))}.</p>" if p.get("band") else "")
         + (f"<ul>{notes}</ul>" if notes else "")
     )
+
+
+def _dryrun_table(ranks: list[dict[str, Any]]) -> str:
+    """Per dry-run rank: built or the step that failed, its measured peak next to the cost model's
+    (both without the reserve a dry run does not hold), and the states it keeps."""
+    rows = []
+    for r in ranks:
+        rank = int(r["rank"])
+        measured, predicted = float(r["peak_bytes"]), float(r["predicted_peak_bytes"])
+        ratio = f"{measured / predicted:.2f}" if predicted > 0 and not r["failure"] else ""
+        rows.append(
+            f"<td>{rank}</td><td>{html.escape(str(r['role']))}</td>"
+            f"<td>{html.escape(str(r['failure']) or 'built and stepped')}</td>"
+            + _value(f"dryrun.{rank}.peak_bytes", measured, format_bytes(measured))
+            + _value(f"dryrun.{rank}.predicted_peak_bytes", predicted, format_bytes(predicted))
+            + f"<td>{ratio}</td>"
+            + "<td>"
+            + " / ".join(
+                format_bytes(float(r[k])) for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes")
+            )
+            + "</td>"
+        )
+    head = ["rank", "role", "program", "dry-run peak", "predicted", "dry run ÷ predicted"]
+    return _table([*head, "parameters / gradients / optimizer"], rows)
 
 
 def _breakdown_table(plan: Plan) -> str:

@@ -183,3 +183,49 @@ def test_a_long_timeline_is_drawn_as_an_image_inside_its_svg(plan: Plan) -> None
     assert len(events) > figures.RASTER_ABOVE
     svg, _ = figures.render(figures.timeline_figure(plan, events), "timeline", with_png=False)
     assert svg.count("<image") == 1 and len(svg) < 500_000
+
+
+def test_the_dry_run_sits_beside_the_predicted_memory(plan: Plan, tmp_path: Path, capsys) -> None:
+    """``--dryrun`` (``autopar dryrun --json``): each distinct rank's dry-run peak next to the cost
+    model's, the numbers exactly the dry run's; another plan's dry run, or a file that is not a
+    dry run, is one line and nothing written."""
+    from dataclasses import replace
+
+    from autopar.measure.dryrun import dry_run, rank_roles
+    from autopar.zoo import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=4, n_embd=128, n_head=4, vocab_size=64, block_size=64)
+    runs = [dry_run(lambda: GPT(cfg), plan, rank, steps=1) for rank, _ in rank_roles(plan)]
+    assert all(r.ok for r in runs), [r.failure for r in runs]
+    (tmp_path / "d.json").write_text(
+        json.dumps({"plan": plan.to_dict(), "ranks": [r.to_dict() for r in runs]})
+    )
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    out = tmp_path / "r.html"
+    assert (
+        main(["report", str(tmp_path / "plan.json"), "--dryrun", str(tmp_path / "d.json"), "--out", str(out)])
+        == 0
+    )
+    cells = _Cells()
+    cells.feed(out.read_text())
+    for r in runs:
+        assert cells.values[f"dryrun.{r.rank}.peak_bytes"] == r.peak_bytes > 0
+        assert cells.values[f"dryrun.{r.rank}.predicted_peak_bytes"] == r.predicted_peak_bytes > 0
+    other = replace(plan, strategy=replace(plan.strategy, micro_batch=2))
+    (tmp_path / "other.json").write_text(
+        json.dumps({"plan": other.to_dict(), "ranks": [r.to_dict() for r in runs]})
+    )
+    cases = [("other.json", "another plan"), ("plan.json", "not a dry run"), ("missing.json", "can't read")]
+    for name, says in cases:
+        argv = [
+            "report",
+            str(tmp_path / "plan.json"),
+            "--dryrun",
+            str(tmp_path / name),
+            "--out",
+            str(tmp_path / "b.html"),
+        ]
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
+    assert not (tmp_path / "b.html").exists()
