@@ -54,6 +54,7 @@ def compare(row: corpus.Row) -> dict[str, object]:
         "measured_step_s": row.measured_step_s,
         "hand": _brief(row.strategy),
         "hand_predicted_s": hand.step_time_s,
+        "hand_fits": hand.fits,
         "plan": _brief(plan.strategy),
         "plan_predicted_s": best,
         "predicted_gain": gain,
@@ -93,9 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "error" in r:
             print(f"{r['source']:22s} {str(r['job'])[:44]:44s} plan: {r['error']}")
             continue
+        fits = "" if r["hand_fits"] else ", does not fit"
         print(
             f"{r['source']:22s} {str(r['job'])[:44]:44s} measured {r['measured_step_s']:8.2f} s | "
-            f"hand {r['hand_predicted_s']:8.2f} s ({r['hand']}) | "
+            f"hand {r['hand_predicted_s']:8.2f} s ({r['hand']}{fits}) | "
             f"plan {r['plan_predicted_s']:8.2f} s ({r['plan']}) "
             f"| {r['predicted_gain']:.2f}× ± {100 * float(r['band']):.0f}%: {r['verdict']}"
         )
