@@ -8,7 +8,7 @@ ARCHS = ("volta", "ampere", "hopper", "blackwell")
 
 _ARCH_BY_NAME = (
     ("volta", ("V100",)),
-    ("ampere", ("A100", "A800", "A10", "A30", "A40", "L40", "L4", "RTX")),  # compute capability 8.x
+    ("ampere", ("A100", "A800", "A10", "A30", "A40", "L40", "L4")),  # compute capability 8.x
     ("hopper", ("H100", "H800", "H200", "H20", "GH200")),
     ("blackwell", ("B100", "B200", "GB200", "B300", "GB300")),
 )

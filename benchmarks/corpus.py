@@ -225,12 +225,19 @@ def priced_strategy(row: Row) -> Strategy:
     return with_policy(st, profiles(row.model, st.seq), row.keep) if row.keep else st
 
 
+REFERENCE = {"matmul_efficiency": 0.70, "overlap_slowdown": 0.0}
+"""Constants no fit produced (the hand-set efficiency the presets had before the corpus): the
+per-operator TP layout is chosen at them, so that a held-out row's layout owes nothing to a fit
+that saw it."""
+
+
 def predictor(row: Row) -> Callable[[Cluster], float]:
     """Seconds per step for the row on a variant of its cluster (fitted constants replaced),
-    the per-operator TP layout held at the one the planner picks on the row's own cluster."""
+    the per-operator TP layout held at the one the planner picks at ``REFERENCE``."""
     profs = profiles(row.model, row.strategy.seq)
     st = priced_strategy(row)
-    layout = Pricer(profs, row.cluster, dtype="bf16").layouts(st)
+    reference = dataclasses.replace(row.cluster, device=dataclasses.replace(row.cluster.device, **REFERENCE))
+    layout = Pricer(profs, reference, dtype="bf16").layouts(st)
     prof = profs.at(st.micro_batch)
     return lambda cluster: estimate(prof, cluster, st, tp_layout=layout).step_time_s
 
@@ -251,6 +258,7 @@ def predict_step_s(row: Row, cluster: Cluster | None = None) -> float:
 
 
 __all__ = [
+    "REFERENCE",
     "RUNS_DIR",
     "Row",
     "load",

@@ -6,7 +6,8 @@ For every distinct job of the priced rows (model, cluster, nodes, global batch, 
 the first row of each), ``autopar plan``'s choice (``planner.make_plan``) against the hand layout
 the source ran, both priced by the same cost model (``autopar estimate`` of the hand layout), and
 the measured step. A predicted win is only a win when it exceeds the chosen plan's held-out error
-band (``cost_models.bands``): within it the two are tied.
+band (``cost_models.bands``): within it the two are tied. A hand layout that does not fit as priced
+is said so.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def compare(row: corpus.Row) -> dict[str, object]:
         "plan_predicted_s": best,
         "predicted_gain": gain,
         "band": rel,
-        "verdict": "tied" if gain <= 1 + rel else "plan faster",
+        "verdict": "plan faster" if gain > 1 + rel else "hand faster" if gain * (1 + rel) < 1 else "tied",
     }
 
 

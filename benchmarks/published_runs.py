@@ -13,7 +13,8 @@ The fitted constants (no others are fitted, none by hand, none per run or per so
   the overlap slowdown (``DeviceSpec.overlap_slowdown``), on the grid 0, 0.05, ..., 0.5.
 The fit is least squares on log(measured step ÷ predicted step), each source weighing the same
 (each row 1 / the rows of its source), over every point of the grid (the per-operator TP layout
-held at the one the planner picks at the presets' constants).
+held at the one the planner picks at fixed reference constants that no fit produced: matmul
+efficiency 0.70, no slowdown, ``corpus.REFERENCE``).
 
 In sample: the constants fitted on every row. Held out (the figures the README quotes): each
 source's rows priced with the constants fitted on the other sources only.
@@ -94,10 +95,16 @@ def fit(
     return best[1]
 
 
-def point_for(row: corpus.Row, constants: dict[str, float], fallback: dict[str, float]) -> Point:
-    """The grid point ``constants`` price ``row`` at (its generation's efficiency, or the
-    all-source fit's where the training rows had no run of that generation)."""
-    return constants.get(row.arch, fallback[row.arch]), constants["overlap_slowdown"]
+def point_for(row: corpus.Row, constants: dict[str, float]) -> Point:
+    """The grid point ``constants`` price ``row`` at: its generation's efficiency, the slowdown.
+    A fold whose training sources have no run of the row's generation has no held-out figure
+    for it: said in one line rather than borrowed from a fit that saw the row."""
+    if row.arch not in constants:
+        raise SystemExit(
+            f"{row.source} is the only source with {row.arch} runs: no held-out figure for them "
+            "(add a second source of that GPU generation)"
+        )
+    return constants[row.arch], constants["overlap_slowdown"]
 
 
 def summary(errors: Sequence[float]) -> dict[str, float]:
@@ -159,14 +166,14 @@ def evaluate(rows: list[corpus.Row], progress: Callable[[str], None]) -> dict[st
     table = grid_table(rows, progress)
     everything = list(range(len(rows)))
     constants = fit(rows, table, everything)
-    in_sample = [math.exp(table[i][point_for(r, constants, constants)]) - 1 for i, r in enumerate(rows)]
+    in_sample = [math.exp(table[i][point_for(r, constants)]) - 1 for i, r in enumerate(rows)]
     held, folds = [0.0] * len(rows), {}
     for source in sorted({r.source for r in rows}):
         train = [i for i in everything if rows[i].source != source]
         folds[source] = got = fit(rows, table, train)
         for i in everything:
             if rows[i].source == source:
-                held[i] = math.exp(table[i][point_for(rows[i], got, constants)]) - 1
+                held[i] = math.exp(table[i][point_for(rows[i], got)]) - 1
     return {"constants": constants, "folds": folds, "in_sample": in_sample, "held_out": held}
 
 

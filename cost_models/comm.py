@@ -28,7 +28,7 @@ time(S) = a + b·S with a and b fitted to the timings, S the same full size as a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.cluster import Cluster
 from autopar.cost_models import nccl
@@ -146,9 +146,9 @@ def coefficients(collective: str, n: int, link: GroupLink, size_bytes: float) ->
         return got
     collective = base
     if link.nccl is not None:
+        if collective == "send_recv":  # a pipeline's hop: across nodes wherever its group is
+            return nccl.p2p_terms(replace(link.nccl, ranks=2, nodes=2 if link.crosses_nodes else 1))
         group = nccl.resized(link.nccl, n)
-        if collective == "send_recv":
-            return nccl.p2p_terms(group)
         if collective == "all_to_all":
             return nccl.all_to_all_terms(group)
         pick = nccl.choose(collective, size_bytes, group)

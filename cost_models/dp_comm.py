@@ -9,20 +9,20 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.cost_models import comm
 from autopar.cost_models import memory as mem
-from autopar.cost_models.buckets import ddp_bucket_bytes, ddp_buckets, last_bucket_s
+from autopar.cost_models.buckets import BUCKET_GRAD_BYTES, ddp_bucket_bytes, ddp_buckets, last_bucket_s
 from autopar.cost_models.compression import POWERSGD_LATENCY_FACTOR, wire_bytes_per_param
 from autopar.cost_models.profile import ModelProfile
 from autopar.strategy import Strategy
 
 
 def dp_coefficients(
-    cluster: Cluster, st: Strategy, unit_bytes: float, bucket_bytes: float
+    cluster: Cluster, st: Strategy, unit_bytes: float, unit_grad_bytes: float, bucket_bytes: float
 ) -> tuple[tuple[float, float], ...]:
     """(latency s, s per byte) of the DP group's all-gather, reduce-scatter and all-reduce; the
     reductions on bf16 tensors when the plan reduces in bf16 (measured apart by profile-comm).
     Each as it runs its messages (``comm.coefficients``): a ZeRO unit's ``unit_bytes`` (one
-    block's parameters) for the gathers and reduce-scatters, a DDP bucket's ``bucket_bytes``
-    for the all-reduce.
+    block's weights) for the gathers, its ``unit_grad_bytes`` (their gradients on the wire) for
+    the reduce-scatters, a DDP bucket's ``bucket_bytes`` for the all-reduce.
 
     HSDP (``Strategy.dp_replicate`` r > 1, shard groups of k = dp / r consecutive DP ranks): the
     all-gather runs within a shard group (k ranks, stride tp), and each reduce-scatter of S bytes
@@ -33,10 +33,10 @@ def dp_coefficients(
     k, r, dims = st.dp_shard, st.dp_replicate, st.dims
     shard_link = comm.group_link(cluster, dims.axis("dp_shard" if r > 1 else "dp"))
     gather = comm.coefficients("all_gather", k, shard_link, unit_bytes)
-    rs_lat, rs_spb = comm.coefficients(f"reduce_scatter{on}", k, shard_link, unit_bytes)
+    rs_lat, rs_spb = comm.coefficients(f"reduce_scatter{on}", k, shard_link, unit_grad_bytes)
     if r > 1:
         across = comm.group_link(cluster, dims.axis("dp_replicate"))
-        ar_lat, ar_spb = comm.coefficients(f"all_reduce{on}", r, across, unit_bytes / k)
+        ar_lat, ar_spb = comm.coefficients(f"all_reduce{on}", r, across, unit_grad_bytes / k)
         rs_lat, rs_spb = rs_lat + ar_lat, rs_spb + ar_spb / k
     dp_link = comm.group_link(cluster, dims.axis("dp"))
     return gather, (rs_lat, rs_spb), comm.coefficients(f"all_reduce{on}", st.dp, dp_link, bucket_bytes)
@@ -49,9 +49,9 @@ def dp_terms(
     (one block's parameters per ZeRO unit, a DDP bucket), the buckets, the overlap."""
     wire = wire_bytes_per_param(profile, st)
     unit_bytes = block_params * mem.STATE_BYTES[st.dtype][0]
-    bucket_bytes = min(ddp_bucket_bytes(st), rank_params * wire)
+    bucket_bytes = min(ddp_bucket_bytes(st) / BUCKET_GRAD_BYTES, rank_params) * wire  # the cap: fp32 bytes
     (lat, s_per_byte), (rs_lat, rs_s_per_byte), (ar_lat, ar_s_per_byte) = dp_coefficients(
-        cluster, st, unit_bytes, bucket_bytes
+        cluster, st, unit_bytes, block_params * wire, bucket_bytes
     )
     ar_lat *= POWERSGD_LATENCY_FACTOR if st.powersgd_rank else 1  # a chain of 3 all-reduces per bucket
     return {

@@ -29,6 +29,7 @@ from autopar.cost_models.profile import ModelProfile
 from autopar.cost_models.rank_load import RankLoad, optimizer_s, rank_load, rank_memory_terms
 from autopar.cost_models.terms import Terms, TPLayout, build_terms
 from autopar.cost_models.timeline import StageTime, stage_times
+from autopar.gpus import arch_of
 from autopar.strategy import Strategy, check_strategy
 
 
@@ -321,7 +322,8 @@ def measurement_notes(profile: ModelProfile, cluster: Cluster, st: Strategy) -> 
             label = name.replace("_", " ")
             gaps += [f"{c} over {label} {axis.size}" for c in comm.unmeasured(link, axis.size, collectives)]
         if gaps:
-            notes.append(f"not measured, alpha-beta model used: {', '.join(gaps)}")
+            model = "NCCL's tuning model" if arch_of(cluster.device.name) else "alpha-beta model"
+            notes.append(f"not measured, {model} used: {', '.join(gaps)}")
     return notes
 
 

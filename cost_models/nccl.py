@@ -19,7 +19,11 @@ an all-gather or reduce-scatter; the buffer of an all-reduce):
     PAT (all-gather, reduce-scatter, one rank per node) = base + log₂(nodes)·net hop/3.5 + 2.8 µs·n
 
 with the tree's size correction (``treeCorrectionFactor``) and the multi-node ring all-reduce's
-plateau (latency × 1.4). Algorithms: ring and tree (all-reduce), NVLS on one node and NVLS tree
+plateau (latency × 1.4). Left out of the port, and why: the tree's × 0.85 for a balanced-tree
+topology pattern and Blackwell's NVLS-tree size correction on x86 (the topology search decides
+both); per-channel bandwidth is one figure inside and across nodes where NCCL's search returns
+two (its ring graph makes them agree across nodes); the NVLS graph shares the ring's channels.
+Algorithms: ring and tree (all-reduce), NVLS on one node and NVLS tree
 across nodes where Hopper or later GPUs share an NVSwitch, PAT where each node holds one rank
 of the group. CollNet (SHARP) is not assumed. Protocols: LL, LL128 (on NVLink systems only, as
 NCCL enables it), Simple.
@@ -194,8 +198,8 @@ def _enabled(collective: str, algorithm: str, protocol: str, g: NcclGroup) -> bo
         return nvls and g.nodes == 1
     if algorithm == "nvls_tree":
         return nvls and collective == "all_reduce" and g.nodes > 1
-    if algorithm == "pat":
-        return collective != "all_reduce" and g.nodes > 1 and g.per_node == 1
+    if algorithm == "pat":  # ncclPatEnable: one rank per node (nNodes == nRanks)
+        return collective != "all_reduce" and g.nodes > 1 and g.ranks == g.nodes
     return True
 
 
@@ -241,7 +245,7 @@ def latency_s(collective: str, algorithm: str, protocol: str, g: NcclGroup) -> f
     p = PROTOCOLS.index(protocol)
     intra_hw = "nvlink" if g.nvlink else "pci"
     hop = _HOP_US[intra_hw][algorithm][p]
-    net = _HOP_US["net"]["tree" if g.per_node == 1 else algorithm][p]  # one rank per node: tree's
+    net = _HOP_US["net"]["tree" if g.ranks == g.nodes else algorithm][p]  # ppn == 1: the tree's
     n, nodes, base = g.ranks, g.nodes, _BASE_US[algorithm][p]
     levels = int(math.log2(nodes))
     if algorithm == "ring":
@@ -269,8 +273,8 @@ def terms(
     if bw <= 0:
         return None
     lat = latency_s(collective, algorithm, protocol, g)
-    log_size = int(math.log2(max(1.0, size_bytes / 64)))
-    if algorithm == "tree" and collective == "all_reduce" and log_size < 23:
+    log_size = int(math.log2(size_bytes / 64)) if size_bytes >= 64 else -1  # NCCL's log2i(S >> 6)
+    if algorithm == "tree" and collective == "all_reduce" and 0 <= log_size < 23:
         bw *= _TREE_CORRECTION[PROTOCOLS.index(protocol)][log_size]
     if (
         algorithm == "ring"

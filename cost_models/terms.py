@@ -289,13 +289,21 @@ def _tp_phases_s(ctx: _UnitContext, name: str, lc: LayerCost, chosen: TPLayer | 
     return one, one
 
 
-def _loss_s(ctx: _UnitContext, name: str) -> tuple[float, float]:
-    """The loss's forward and backward seconds on the head's rank (``compute.loss_time_s``),
-    over its micro_batch·seq·vocab/tp logits (vocabulary-parallel under TP); 0 elsewhere."""
-    if name != "head":
+LOSS_OPS = ("log_softmax", "nll_loss", "cross_entropy")
+"""ATen calls of a loss inside the captured graph (a model that computes its own, nanoGPT's
+``forward(idx, targets)``): the graph's ops already price it."""
+
+
+def _loss_s(ctx: _UnitContext, name: str, chosen: TPLayer | None) -> tuple[float, float]:
+    """The loss's forward and backward seconds on the head's rank (``compute.loss_time_s``) over
+    its micro_batch·seq·vocab logits, split as the head's weight is (vocabulary-parallel: ÷ tp,
+    or the per-operator choice's share); 0 off the head or where the graph holds the loss."""
+    lc = ctx.profile.layer_types[name]
+    if name != "head" or any(c.key.split("#")[0].lstrip("_").startswith(LOSS_OPS) for c in lc.calls):
         return 0.0, 0.0
     st = ctx.st
-    return loss_time_s(st.micro_batch * st.seq * ctx.profile.vocab / st.tp, ctx.device)
+    share = chosen.local_params / lc.params if chosen is not None and lc.params else 1 / st.tp
+    return loss_time_s(st.micro_batch * st.seq * ctx.profile.vocab * share, ctx.device)
 
 
 def _measured(ctx: _UnitContext, name: str, compiled: bool) -> LayerTiming | None:
@@ -333,7 +341,7 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
         if got
         else layer_forward_s(lc, ctx.device, st.dtype, tp=t, sp=sp, stream_share=share, compiled=compiled)
     )
-    loss_fwd, loss_bwd = _loss_s(ctx, name) if got is None else (0.0, 0.0)  # measured: timed with it
+    loss_fwd, loss_bwd = _loss_s(ctx, name, chosen) if got is None else (0.0, 0.0)  # measured: timed with it
     fwd += loss_fwd
     tp_fwd, tp_bwd = _tp_phases_s(ctx, name, lc, chosen)
     ep_fwd, ep_bwd = ep_forward_s(lc, st, ctx.ep_link), ep_backward_s(lc, st, ctx.ep_link)
@@ -351,7 +359,9 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     return Unit(
         fwd_s=fwd,
         bwd_compute_s=bwd,
-        wgrad_s=weight_grad_s(params, tokens=tokens, device=ctx.device, dtype=st.dtype, backward_s=bwd),
+        wgrad_s=weight_grad_s(
+            params, tokens=tokens, device=ctx.device, dtype=st.dtype, backward_s=bwd - loss_bwd
+        ),
         recompute_s=redo_s,
         tp_s=(tp_fwd + ep_fwd) * (2 if whole_block else 1) + tp_bwd + ep_bwd,
         ep_s=ep_fwd * (2 if whole_block else 1) + ep_bwd,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from autopar.cost_models.bands import band_text
@@ -84,21 +85,28 @@ def report_html(
         _why_table(plan),
     ]
     if metrics is not None:
-        steps = [m for m in metrics if "ranks" not in m]
-        ranks: list[dict[str, Any]] = next((m["ranks"] for m in reversed(metrics) if "ranks" in m), [])
-        if not steps:
-            raise AutoparError("the metrics file has no step lines: is it a Metrics(jsonl=…) file?")
-        body += [
-            "<h2>The run against the plan</h2>",
-            _run_table(plan, steps),
-            figure("run", figures.run_figure(plan, steps, ranks), "Measured against predicted."),
-        ]
+        body += _run_section(plan, metrics, figure)
     title = html.escape(f"autopar plan: {plan.model}")
     page = (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
         f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
     )
     return page, pngs
+
+
+def _run_section(
+    plan: Plan, metrics: list[dict[str, Any]], figure: Callable[[str, Any, str], str]
+) -> list[str]:
+    """The run against the plan: its steps' table and the measured-against-predicted figure."""
+    steps = [m for m in metrics if "ranks" not in m]
+    ranks: list[dict[str, Any]] = next((m["ranks"] for m in reversed(metrics) if "ranks" in m), [])
+    if not steps:
+        raise AutoparError("the metrics file has no step lines: is it a Metrics(jsonl=…) file?")
+    return [
+        "<h2>The run against the plan</h2>",
+        _run_table(plan, steps),
+        figure("run", figures.run_figure(plan, steps, ranks), "Measured against predicted."),
+    ]
 
 
 def _value(key: str, value: float, text: str) -> str:
@@ -220,9 +228,10 @@ def _why_table(plan: Plan) -> str:
         st = c["strategy"]
         sched = st["schedule"] + (f" v={st['virtual_stages']}" if st["virtual_stages"] > 1 else "")
         degrees = "".join(f"<td>{st[k]}</td>" for k in ("tp", "pp", "dp", "zero", "micro_batch"))
+        versus = "tied (within the band)" if c.get("tied") else f"{c['slower_by']:.2f}× slower"
         rows.append(
             f"<td>{html.escape(label)}</td>{degrees}<td>{html.escape(sched)}</td>"
-            f"<td>{c['step_time_s']:.4g}</td><td>{c['slower_by']:.2f}× slower</td>"
+            f"<td>{c['step_time_s']:.4g}</td><td>{versus}</td>"
         )
     return _table(["", "tp", "pp", "dp", "zero", "micro-batch", "schedule", "step s", "vs chosen"], rows)
 

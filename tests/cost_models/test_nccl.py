@@ -130,3 +130,13 @@ def test_group_shapes_from_the_mesh() -> None:
     assert odd is not None and (odd.ranks, odd.nodes, odd.per_node) == (124, 16, 7)
     assert comm.nccl_group(Cluster.preset("cpu"), Axis("dp", 2, 1)) is None
     assert arch_of("H100-SXM5-80GB") == "hopper" and arch_of("cpu-rank") is None
+
+
+def test_a_pipeline_hop_across_nodes_rides_one_nic() -> None:
+    """TP4 × PP4 on two H100 nodes: a pp group keeps two stages per node, but its hop between
+    nodes (the slowest) is priced over one NIC (8.4 + 14 µs, 50 GB/s), not NVLink."""
+    cluster = Cluster.preset("dgx-h100", nodes=2)
+    axis = Axis("pp", 4, 4)
+    link = comm.group_link(cluster, axis)
+    assert link.crosses_nodes and axis.per_node(8) == 2
+    assert comm.coefficients("send_recv", 2, link, 2**25) == pytest.approx((22.4e-6, 1 / 50e9))
