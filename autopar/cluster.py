@@ -356,8 +356,8 @@ def _profile(x: object, load: Callable[[str], Any], cls: Any) -> Any:
 # (six stacks at 3.2 Gb/s per pin). A measured profile (`autopar profile`) replaces both.
 _POWER_CAP = 500 / 700
 
-MATMUL_EFFICIENCY = {"ampere": 0.66, "hopper": 0.72}  # per generation, fitted on every source
-OVERLAP_SLOWDOWN = 0.30
+MATMUL_EFFICIENCY = {"ampere": 0.64, "hopper": 0.64}  # per generation, fitted on every source
+OVERLAP_SLOWDOWN = 0.10
 HOPPER_FLASH_ATTENTION_EFFICIENCY = 0.35
 _NVLINK_LATENCY_S = 5e-6
 _IB_LATENCY_S = 10e-6
