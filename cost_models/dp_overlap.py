@@ -11,7 +11,8 @@ from autopar.cost_models.terms import Terms
 def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     """Data-parallel / ZeRO time this rank cannot hide (the overlap rule in estimate's doc).
 
-    With L = layers on the rank, one all-gather of S bytes costs α_g + σ_g·S, one
+    With L = the rank's FSDP2 units (``RankLoad.zero_units``: its blocks and the roots holding
+    the embedding or head), one all-gather of S bytes costs α_g + σ_g·S, one
     reduce-scatter α_r + σ_r·S and one all-reduce α_a + σ_a·S (ring: α_g = α_r = (dp−1)·α,
     σ_g = σ_r = (dp−1)/(dp·β), α_a = 2α_g, σ_a = 2σ_g; or measured), G gradient bytes,
     W weight bytes, overlap O = κ·(backward − one block's backward), and fwd, bwd below
@@ -54,9 +55,10 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
         return slowed(ddp, all_reduce) + (lat + spb * weights if st.zero == 1 else 0.0)
     reductions = 1 if st.pp > 1 else m  # reduce-scatters per step
     if st.zero == 2:
-        rs = load.layers * rlat + rspb * grad
+        rs = load.zero_units * rlat + rspb * grad
         return reductions * slowed(max(0.0, rs - overlap), rs) + lat + spb * weights
-    gather, reduce = load.layers * lat + spb * weights, load.layers * rlat + rspb * grad  # gather: fwd, bwd
+    units = load.zero_units  # a gather and a reduce-scatter per FSDP2 unit
+    gather, reduce = units * lat + spb * weights, units * rlat + rspb * grad  # gather: fwd, bwd
     first, last = zero3_unhidden_s(terms)
     fwd, bwd = kappa * load.fwd_s, kappa * load.bwd_s
     if st.pp > 1:

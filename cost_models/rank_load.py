@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from autopar.cost_models import memory as mem
 from autopar.cost_models.terms import Terms, Unit
-from autopar.strategy import remat
+from autopar.strategy import Strategy, remat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +21,10 @@ class RankLoad:
     wgrad_s: float
     params: float
     layers: int
+    zero_units: int
+    """FSDP2 units the rank gathers and reduce-scatters at ZeRO 2–3, a collective each: its blocks
+    and the root of each pipeline chunk holding the embedding or the head (one root when a single
+    chunk holds both: ``runtime.sharding.shard_over_dp``)."""
     act_bytes: float
     rematerialises: bool
     """A block of the rank is checkpointed whole (full or a per-operator policy): its backward
@@ -47,6 +51,13 @@ def rank_units(terms: Terms, rank: int, counts: tuple[int, ...]) -> list[tuple[s
     return units + [("none", terms.embed, 1)] * (rank == 0) + [("none", terms.head, 1)] * (rank == last)
 
 
+def edge_units(st: Strategy, rank: int) -> int:
+    """FSDP2 root units of pipeline rank ``rank`` that hold parameters: one per chunk with the
+    embedding or the head, the two sharing the only chunk when there is no pipeline."""
+    n = int(rank == 0) + int(rank == st.head_rank)
+    return min(n, 1) if st.pp == 1 else n
+
+
 def rank_load(terms: Terms, rank: int, counts: tuple[int, ...]) -> RankLoad:
     """Sum the units of ``counts`` blocks (per ``Strategy.choices``) plus embed/head where they live."""
     units = [(u, n) for _, u, n in rank_units(terms, rank, counts)]
@@ -59,6 +70,7 @@ def rank_load(terms: Terms, rank: int, counts: tuple[int, ...]) -> RankLoad:
         wgrad_s=sum(u.wgrad_s * n for u, n in units),
         params=sum(u.params * n for u, n in units),
         layers=sum(n for _, n in units),
+        zero_units=sum(counts) + edge_units(terms.strategy, rank),
         act_bytes=sum(u.act_bytes * n for u, n in units),
         rematerialises=any(n for r, n in zip(terms.strategy.choices, counts, strict=True) if remat(r)),
         ep_s=sum(u.ep_s * n for u, n in units),

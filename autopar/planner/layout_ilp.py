@@ -19,6 +19,7 @@ import pulp
 
 from autopar.cost_models.buckets import overlap_share
 from autopar.cost_models.dp_overlap import zero3_unhidden_s
+from autopar.cost_models.rank_load import edge_units
 from autopar.cost_models.terms import Terms
 from autopar.planner.solver import mip_solver, solve
 from autopar.strategy import MULTI_CHUNK, Strategy, even_split, remat
@@ -199,7 +200,7 @@ class LayoutILP:
         opt_k = terms.weighted(params_k, experts_k, "optimizer")
         self.prob += self.opt_time >= opt_k * terms.opt_s_per_param * ts, f"optimizer_{k}"
         if st.dp > 1:
-            layers_k = count + int(k == 0) + int(k == st.head_rank)
+            layers_k = count + edge_units(st, k)  # FSDP2 units (``RankLoad.zero_units``)
             self.add_dp_exposure(k, terms.weighted(params_k, experts_k, "comm"), layers_k)
 
     def add_dp_exposure(

@@ -353,9 +353,9 @@ def test_zero3_first_gather_and_last_reduce_scatter_stay_exposed() -> None:
     blocks = len(profile.layers) - 2
     everything = replace(h100, device=replace(h100.device, overlap_slowdown=1.0))
     whole = build_terms(profile, everything, st)
-    layers, params = blocks + 2, profile.total_params
-    gather = layers * whole.lat_s + whole.s_per_byte * params * whole.weight_bytes
-    reduce = layers * whole.rs_lat_s + whole.rs_s_per_byte * params * whole.grad_bytes
+    units, params = blocks + 1, profile.total_params  # FSDP2 units: the blocks and one root with the edges
+    gather = units * whole.lat_s + whole.s_per_byte * params * whole.weight_bytes
+    reduce = units * whole.rs_lat_s + whole.rs_s_per_byte * params * whole.grad_bytes
     total = estimate(profile, everything, st).breakdown_s["dp_comm"]
     assert total == pytest.approx(2 * (2 * gather + reduce), rel=1e-9)
     s = h100.device.overlap_slowdown  # in between: E + s·(C − E)

@@ -90,6 +90,12 @@ def test_a_simulated_step_counts_what_zero3_gathers() -> None:
     units, micro = 4 + 1, plan.strategy.micro_batches  # blocks, then the root
     assert run.collectives["allgather_base over dp"][0] == 2 * units * micro
     assert run.collectives["reduce_scatter_base over dp"][0] == units * micro
+    # the cost model prices a gather and a reduce-scatter per unit (``RankLoad.zero_units``), as
+    # many as the program issues: the blocks and one root holding the embedding and the head
+    from autopar.cost_models.rank_load import edge_units
+
+    st = plan.strategy
+    assert sum(st.blocks_per_rank(4)[0]) + edge_units(st, 0) == units
     assert 0 < run.parameter_bytes < run.peak_bytes
     assert run.optimizer_bytes == pytest.approx(2 * run.parameter_bytes, rel=0.01)  # Adam's m, v (and steps)
 
