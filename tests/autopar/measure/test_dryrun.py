@@ -96,6 +96,12 @@ def test_a_simulated_step_counts_what_zero3_gathers() -> None:
 
     st = plan.strategy
     assert sum(st.blocks_per_rank(4)[0]) + edge_units(st, 0) == units
+    # and the bytes: each gather is handed the rank's shard, which is the cost model's ZeRO-3
+    # weights per GPU; each reduce-scatter the whole gradient (dp × the shard, fp32 here); equal
+    # but for FSDP2's padding of the shards
+    shard = plan.predicted["memory"][0]["weights"]
+    assert run.collectives["allgather_base over dp"][1] == pytest.approx(2 * micro * shard, rel=0.01)
+    assert run.collectives["reduce_scatter_base over dp"][1] == pytest.approx(micro * st.dp * shard, rel=0.01)
     assert 0 < run.parameter_bytes < run.peak_bytes
     assert run.optimizer_bytes == pytest.approx(2 * run.parameter_bytes, rel=0.01)  # Adam's m, v (and steps)
 
