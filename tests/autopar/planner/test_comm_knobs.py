@@ -100,19 +100,30 @@ def test_the_hsdp_groups_the_search_prices() -> None:
 
 
 @pytest.mark.slow
-def test_ethernet_fp32_gets_hsdp_and_it_is_faster() -> None:
-    """Llama-3 8B in fp32 at seq 4096 on 4 nodes of 8 A100-PCIe on 25 GbE, no lossy knob allowed
-    (at seq 2048 a pipeline inside each node wins without it): ZeRO sharded
-    within each node and replicated across nodes (HSDP), predicted faster than the same plan
-    sharded over every DP rank; the plan says so."""
+def test_ethernet_fp32_weighs_hsdp_and_calls_a_close_race_a_tie() -> None:
+    """Llama-3 8B in fp32 at seq 4096 on 4 nodes of 8 A100-PCIe on 25 GbE, no lossy knob allowed:
+    ZeRO sharded within each node and replicated across nodes (HSDP) exposes less DP time than
+    the same plan sharded over every DP rank, for the memory of 4 replicas. The planner weighs the
+    two and, where they land within the chosen plan's held-out error band (they are 1% apart at
+    the fitted constants), says they are tied rather than claiming a win."""
     request = _request("fp32", preset="a100-pcie-25gbe", nodes=4, seq=4096)
     profiles = ModelProfiles.of("llama3-8b", dtype="fp32", seq=4096)
     result = make_plan(request, profiles)
-    st = result.plan.strategy
-    assert st.dp_replicate > 1 and st.dp_shard * st.tp == 8 and st.grad_reduce == "fp32", st
-    flat = estimate(profiles.at(st.micro_batch), request.cluster, replace(st, dp_replicate=1))
-    assert result.plan.predicted["step_time_s"] < flat.step_time_s
-    assert f"HSDP: {st.dp_replicate} replicas of {st.dp_shard}-rank shard groups" in result.plan.text()
+    found = [(result.plan.strategy, None), *((c.strategy, c) for c in result.alternatives)]
+    hsdp, candidate = next((st, c) for st, c in found if st.dp_replicate > 1)
+    assert hsdp.dp_shard * hsdp.tp == 8 and hsdp.grad_reduce == "fp32", hsdp
+    prof = profiles.at(hsdp.micro_batch)
+    shared, flat = (estimate(prof, request.cluster, replace(hsdp, dp_replicate=r)) for r in (4, 1))
+    assert shared.breakdown_s["dp_comm"] < flat.breakdown_s["dp_comm"]
+    band = result.plan.predicted["band"]["rel"]
+    if candidate is None:  # HSDP chosen: the plan says so
+        assert (
+            f"HSDP: {hsdp.dp_replicate} replicas of {hsdp.dp_shard}-rank shard groups" in result.plan.text()
+        )
+    else:  # a runner-up: tied where it is within the band
+        row = result.plan.why["alternatives"][result.alternatives.index(candidate)]
+        assert row["tied"] == (row["slower_by"] <= 1 + band)
+        assert row["slower_by"] < 1.05 and row["tied"]
 
 
 def _gpt2_request(lossy: bool) -> PlanRequest:
