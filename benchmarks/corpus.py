@@ -204,7 +204,7 @@ def _row(source: str, raw: dict[str, Any]) -> Row:
 
 def load(directory: pathlib.Path = RUNS_DIR) -> list[Row]:
     """Every row of every source file, in file then row order."""
-    rows = []
+    rows: list[Row] = []
     for path in sorted(directory.glob("*.yaml")):
         data = yaml.safe_load(path.read_text())
         source = str(data["source"]["id"])

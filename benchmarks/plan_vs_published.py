@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import corpus  # benchmarks/corpus.py
 
@@ -32,14 +33,13 @@ def _brief(st: Strategy) -> str:
     return f"tp{st.tp} pp{st.pp} dp{st.dp} z{st.zero} mb{st.micro_batch}{sched} rc {st.recompute}"
 
 
-def compare(row: corpus.Row) -> dict[str, object]:
+def compare(row: corpus.Row) -> dict[str, Any]:
     """The plan and the hand layout of ``row``'s job, priced alike."""
     profs = corpus.profiles(row.model, row.strategy.seq)
     hand = Pricer(profs, row.cluster, dtype="bf16").estimate(corpus.priced_strategy(row))
-    module = row.model[1] if row.model[0] == "zoo" else None
-    name = dict(module)["name"] if module else "corpus model"
-    request = PlanRequest(
-        model=name if module else "corpus-model",
+    family, fields = row.model
+    request = PlanRequest(  # the profiles are passed in: the name only labels the plan
+        model=dict(fields)["name"] if family == "zoo" else "corpus-model",
         cluster=row.cluster,
         global_batch=row.strategy.global_batch,
         seq=row.strategy.seq,
@@ -69,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--source", action="append", help="only these sources' rows")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    seen, out = set(), []
+    seen: set[tuple[Any, ...]] = set()
+    out: list[dict[str, Any]] = []
     for row in corpus.load():
         if row.not_priced or (args.source and row.source not in args.source):
             continue
@@ -100,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['source']:22s} {str(r['job'])[:44]:44s} measured {r['measured_step_s']:8.2f} s | "
             f"hand {r['hand_predicted_s']:8.2f} s ({r['hand']}{fits}) | "
             f"plan {r['plan_predicted_s']:8.2f} s ({r['plan']}) "
-            f"| {r['predicted_gain']:.2f}× ± {100 * float(r['band']):.0f}%: {r['verdict']}"
+            f"| {r['predicted_gain']:.2f}× ± {100 * r['band']:.0f}%: {r['verdict']}"
         )
     return 0
 

@@ -35,6 +35,7 @@ import statistics
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import corpus  # benchmarks/corpus.py
 
@@ -161,7 +162,19 @@ def write_bands(found: dict[str, dict[str, float | int]], constants: dict[str, f
     tmp.replace(path)
 
 
-def evaluate(rows: list[corpus.Row], progress: Callable[[str], None]) -> dict[str, object]:
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    """The fit and every row's errors (measured step ÷ predicted step − 1)."""
+
+    constants: dict[str, float]
+    """Fitted on every source."""
+    folds: dict[str, dict[str, float]]
+    """Source held out → the constants fitted without it."""
+    in_sample: list[float]
+    held_out: list[float]
+
+
+def evaluate(rows: list[corpus.Row], progress: Callable[[str], None]) -> Evaluation:
     """In-sample and leave-one-source-out predictions of every row."""
     table = grid_table(rows, progress)
     everything = list(range(len(rows)))
@@ -174,7 +187,7 @@ def evaluate(rows: list[corpus.Row], progress: Callable[[str], None]) -> dict[st
         for i in everything:
             if rows[i].source == source:
                 held[i] = math.exp(table[i][point_for(rows[i], got)]) - 1
-    return {"constants": constants, "folds": folds, "in_sample": in_sample, "held_out": held}
+    return Evaluation(constants=constants, folds=folds, in_sample=in_sample, held_out=held)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -190,11 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     result = evaluate(rows, progress)
-    in_sample, held = result["in_sample"], result["held_out"]
-    assert isinstance(in_sample, list) and isinstance(held, list)
+    in_sample, held = result.in_sample, result.held_out
     report = {
-        "constants": result["constants"],
-        "folds": result["folds"],
+        "constants": result.constants,
+        "folds": result.folds,
         "in_sample": summary(in_sample),
         "held_out": summary(held),
         "sources": len({r.source for r in rows}),
@@ -221,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.all:
         report["not_priced_predictions"] = _not_priced(everything)
     if args.write_bands:
-        write_bands(found, result["constants"])  # type: ignore[arg-type]
+        write_bands(found, result.constants)
     if args.json:
         print(json.dumps(report, indent=1, ensure_ascii=False))
     else:

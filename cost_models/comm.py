@@ -148,7 +148,9 @@ def coefficients(collective: str, n: int, link: GroupLink, size_bytes: float) ->
     if link.nccl is not None:
         if collective == "send_recv":  # a pipeline's hop: across nodes wherever its group is
             return nccl.p2p_terms(replace(link.nccl, ranks=2, nodes=2 if link.crosses_nodes else 1))
-        group = nccl.resized(link.nccl, n)
+        group = link.nccl
+        if n != group.ranks:
+            raise ValueError(f"{collective} over {n} ranks priced on a group of {group.ranks}")
         if collective == "all_to_all":
             return nccl.all_to_all_terms(group)
         pick = nccl.choose(collective, size_bytes, group)

@@ -3,6 +3,8 @@ estimate, the layout ILP and the timeline share."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from autopar.cost_models.buckets import overlap_share
 from autopar.cost_models.rank_load import RankLoad
 from autopar.cost_models.terms import Terms
@@ -45,28 +47,32 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     kappa = terms.overlap
     overlap = kappa * (load.bwd_s - terms.block["none"].bwd_s)
     m, s = st.micro_batches, terms.overlap_slowdown
-
-    def slowed(exposed: float, total: float) -> float:  # E + s·(C − E), as the layout ILP writes it
-        return (1 - s) * exposed + s * total
-
     if st.zero in (0, 1):
         all_reduce = terms.ddp_buckets * terms.ar_lat_s + terms.ar_s_per_byte * grad
         ddp = max(terms.last_bucket_s, all_reduce - overlap_share(terms.ddp_buckets) * overlap)
-        return slowed(ddp, all_reduce) + (lat + spb * weights if st.zero == 1 else 0.0)
+        return slowed(ddp, all_reduce, s) + (lat + spb * weights if st.zero == 1 else 0.0)
     reductions = 1 if st.pp > 1 else m  # reduce-scatters per step
     if st.zero == 2:
         rs = load.zero_units * rlat + rspb * grad
-        return reductions * slowed(max(0.0, rs - overlap), rs) + lat + spb * weights
+        return reductions * slowed(max(0.0, rs - overlap), rs, s) + lat + spb * weights
     units = load.zero_units  # a gather and a reduce-scatter per FSDP2 unit
     gather, reduce = units * lat + spb * weights, units * rlat + rspb * grad  # gather: fwd, bwd
     first, last = zero3_unhidden_s(terms)
     fwd, bwd = kappa * load.fwd_s, kappa * load.bwd_s
     if st.pp > 1:
         gathers = max(first, gather - fwd) + max(first, gather - bwd)
-        return m * slowed(gathers, 2 * gather) + slowed(max(last, reduce - bwd), reduce)
+        return m * slowed(gathers, 2 * gather, s) + slowed(max(last, reduce - bwd), reduce, s)
     return m * slowed(
-        max(first, gather - fwd) + max(first + last, gather + reduce - bwd), 2 * gather + reduce
+        max(first, gather - fwd) + max(first + last, gather + reduce - bwd), 2 * gather + reduce, s
     )
+
+
+def slowed(exposed: Any, total: Any, s: float) -> Any:
+    """What ``total`` seconds of communication cost when compute hides all but ``exposed`` of them
+    and each hidden second slows that compute by ``s`` (``DeviceSpec.overlap_slowdown``):
+    E + s·(C − E) = (1 − s)·E + s·C. Linear in E and C, so the layout ILP states the same rule on
+    its affine expressions."""
+    return (1 - s) * exposed + s * total
 
 
 def zero3_unhidden_s(terms: Terms) -> tuple[float, float]:
@@ -79,4 +85,4 @@ def zero3_unhidden_s(terms: Terms) -> tuple[float, float]:
     )
 
 
-__all__ = ["dp_exposed_s", "zero3_unhidden_s"]
+__all__ = ["dp_exposed_s", "slowed", "zero3_unhidden_s"]

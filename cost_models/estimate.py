@@ -27,7 +27,7 @@ from autopar.cost_models.bands import Band, band
 from autopar.cost_models.dp_overlap import dp_exposed_s
 from autopar.cost_models.profile import ModelProfile
 from autopar.cost_models.rank_load import RankLoad, optimizer_s, rank_load, rank_memory_terms
-from autopar.cost_models.terms import Terms, TPLayout, build_terms
+from autopar.cost_models.terms import Terms, TPLayout, build_terms, measured_timing
 from autopar.cost_models.timeline import StageTime, stage_times
 from autopar.gpus import arch_of
 from autopar.strategy import Strategy, check_strategy
@@ -281,16 +281,7 @@ def measurement_notes(profile: ModelProfile, cluster: Cluster, st: Strategy) -> 
         missing = [
             name
             for name in profile.layer_types
-            if measured.timing(
-                name,
-                micro_batch=st.micro_batch,
-                seq=st.seq,
-                tp=st.tp,
-                sp=st.sequence_parallel,
-                dtype=st.dtype,
-                compiled=st.compile == "block",
-            )
-            is None
+            if measured_timing(measured, name, st, compiled=st.compile == "block") is None
         ]
         if missing:
             sp = " sp" if st.sequence_parallel and st.tp > 1 else ""

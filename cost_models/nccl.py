@@ -45,7 +45,7 @@ Simple protocol's ring hop latencies and the link the transfer crosses.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from autopar.gpus import ARCHS
 
@@ -351,14 +351,6 @@ def all_to_all_terms(g: NcclGroup) -> tuple[float, float]:
     return (_BASE_US["ring"][simple] + (n - 1) * hop) * US, max(local, remote)
 
 
-def resized(g: NcclGroup, n: int) -> NcclGroup:
-    """``g`` with ``n`` ranks, as many per node as ``g`` has (at most n)."""
-    if n == g.ranks:
-        return g
-    per = max(1, min(g.per_node, n))
-    return replace(g, ranks=n, nodes=-(-n // per))
-
-
 __all__ = [
     "ALGORITHMS",
     "COLLECTIVES",
@@ -370,7 +362,6 @@ __all__ = [
     "choose",
     "latency_s",
     "p2p_terms",
-    "resized",
     "terms",
     "time_s",
 ]

@@ -20,7 +20,6 @@ class RankLoad:
     bwd_s: float
     wgrad_s: float
     params: float
-    layers: int
     zero_units: int
     """FSDP2 units the rank gathers and reduce-scatters at ZeRO 2–3, a collective each: its blocks
     and the root of each pipeline chunk holding the embedding or the head (one root when a single
@@ -69,7 +68,6 @@ def rank_load(terms: Terms, rank: int, counts: tuple[int, ...]) -> RankLoad:
         bwd_s=sum(u.bwd_s * n for u, n in units),
         wgrad_s=sum(u.wgrad_s * n for u, n in units),
         params=sum(u.params * n for u, n in units),
-        layers=sum(n for _, n in units),
         zero_units=sum(counts) + edge_units(terms.strategy, rank),
         act_bytes=sum(u.act_bytes * n for u, n in units),
         rematerialises=any(n for r, n in zip(terms.strategy.choices, counts, strict=True) if remat(r)),

@@ -18,9 +18,7 @@ from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models import comm
 from autopar.cost_models import memory as mem
 from autopar.cost_models import recompute as rc
-from autopar.cost_models.compression import (
-    compress_s_per_param,
-)
+from autopar.cost_models.compression import compress_s_per_param
 from autopar.cost_models.compute import (
     layer_backward_s,
     layer_forward_s,
@@ -306,13 +304,14 @@ def _loss_s(ctx: _UnitContext, name: str, chosen: TPLayer | None) -> tuple[float
     return loss_time_s(st.micro_batch * st.seq * ctx.profile.vocab * share, ctx.device)
 
 
-def _measured(ctx: _UnitContext, name: str, compiled: bool) -> LayerTiming | None:
-    """The cluster's measured timing of layer type ``name`` at this strategy, if it has one (a
-    compiled profile times the embedding and head eager)."""
-    st = ctx.st
-    if ctx.measured is None:
+def measured_timing(
+    measured: ComputeProfile | None, name: str, st: Strategy, compiled: bool
+) -> LayerTiming | None:
+    """A measured compute profile's timing of layer type ``name`` at ``st``'s micro-batch, seq,
+    TP width, sequence parallelism and dtype, compiled or eager, if it has one."""
+    if measured is None:
         return None
-    return ctx.measured.timing(
+    return measured.timing(
         name,
         micro_batch=st.micro_batch,
         seq=st.seq,
@@ -331,7 +330,7 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     # the blocks are compiled, but a TP block with selective recompute compiles only its
     # checkpointed attention and runs the rest eagerly (``passes/compile.py``): priced eager
     compiled = st.compile == "block" and not (t > 1 and choice == "selective")
-    got = _measured(ctx, name, compiled)
+    got = measured_timing(ctx.measured, name, st, compiled)  # a compiled profile times the edges eager
     chosen = tp_layout.get(name) if tp_layout and t > 1 else None
     share = chosen.stream_share if chosen is not None else None
     compiled = compiled and name not in ("embed", "head")

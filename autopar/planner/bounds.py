@@ -59,7 +59,6 @@ def _step_s(terms: Terms, blocks: int, allowed: tuple[str, ...], stage_s: float)
         bwd_s=(blocks * longest.bwd_s + sum(e.bwd_s for e in edges)) / st.pp,
         wgrad_s=0.0,
         params=params / st.pp,
-        layers=(blocks + 2) // st.pp,
         zero_units=(blocks + (1 if st.pp == 1 else 2)) // st.pp,  # the roots with the edges
         act_bytes=0.0,
         rematerialises=False,

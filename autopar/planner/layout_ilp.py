@@ -12,13 +12,12 @@ term), so the ILP's optimum is the best layout's estimate. Solved with PuLP + Hi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pulp
 
 from autopar.cost_models.buckets import overlap_share
-from autopar.cost_models.dp_overlap import zero3_unhidden_s
+from autopar.cost_models.dp_overlap import slowed, zero3_unhidden_s
 from autopar.cost_models.rank_load import edge_units
 from autopar.cost_models.terms import Terms
 from autopar.planner.solver import mip_solver, solve
@@ -200,11 +199,11 @@ class LayoutILP:
         opt_k = terms.weighted(params_k, experts_k, "optimizer")
         self.prob += self.opt_time >= opt_k * terms.opt_s_per_param * ts, f"optimizer_{k}"
         if st.dp > 1:
-            layers_k = count + edge_units(st, k)  # FSDP2 units (``RankLoad.zero_units``)
-            self.add_dp_exposure(k, terms.weighted(params_k, experts_k, "comm"), layers_k)
+            units_k = count + edge_units(st, k)  # FSDP2 units (``RankLoad.zero_units``)
+            self.add_dp_exposure(k, terms.weighted(params_k, experts_k, "comm"), units_k)
 
     def add_dp_exposure(
-        self, k: int, params_k: pulp.LpAffineExpression, layers_k: pulp.LpAffineExpression
+        self, k: int, params_k: pulp.LpAffineExpression, units_k: pulp.LpAffineExpression
     ) -> None:
         """The DP/ZeRO collectives of rank k that compute does not hide (``dp_overlap.dp_exposed_s``)."""
         terms, st, ts = self.terms, self.strategy, self.ts
@@ -215,13 +214,7 @@ class LayoutILP:
         bwd_k = self.lin(k, "bwd_s", ts)
         overlap = kappa * (bwd_k - terms.block["none"].bwd_s * ts)
         hinge = pulp.LpVariable(f"dp_hidden_excess_{k}", lowBound=0)
-        s = terms.overlap_slowdown
-
-        def slowed(
-            exposed: pulp.LpAffineExpression, total: pulp.LpAffineExpression
-        ) -> pulp.LpAffineExpression:
-            # E + s·(C − E), as dp_exposed_s
-            return (1 - s) * exposed + s * total
+        s = terms.overlap_slowdown  # hidden seconds slow compute: ``dp_overlap.slowed``
 
         if st.zero in (0, 1):  # DDP's gradient all-reduce beyond what backward hides
             # an all-reduce per bucket, hidden by the backward after the first bucket fills
@@ -232,35 +225,32 @@ class LayoutILP:
             self.prob += hinge >= terms.last_bucket_s * ts, f"ddp_last_bucket_{k}"
             # ZeRO-1: + the updated shards' broadcast (an all-gather of the weights)
             self.prob += (
-                self.dp_time >= slowed(hinge, all_reduce) + (lat + spb * weights if st.zero == 1 else 0),
+                self.dp_time >= slowed(hinge, all_reduce, s) + (lat + spb * weights if st.zero == 1 else 0),
                 f"dp_exposed_{k}",
             )
         elif st.zero == 2:  # reduce-scatter beyond the overlap, per micro-batch + weight all-gather
             # (under a pipeline once per step: torch's schedules reduce in the last backward only)
-            rs = rspb * grad + layers_k * rlat
+            rs = rspb * grad + units_k * rlat
             reductions = 1 if st.pp > 1 else mb
             self.prob += hinge >= rs - overlap, f"zero_reduce_scatter_{k}"
             self.prob += (
-                self.dp_time >= reductions * slowed(hinge, rs) + lat + spb * weights,
+                self.dp_time >= reductions * slowed(hinge, rs, s) + lat + spb * weights,
                 f"dp_exposed_{k}",
             )
         else:
-            self.add_zero3_exposure(
-                k, hinge, slowed, layers_k * lat + spb * weights, layers_k * rlat + rspb * grad
-            )
+            self.add_zero3_exposure(k, hinge, units_k * lat + spb * weights, units_k * rlat + rspb * grad)
 
     def add_zero3_exposure(
         self,
         k: int,
         hinge: pulp.LpVariable,
-        slowed: Callable[[pulp.LpAffineExpression, pulp.LpAffineExpression], pulp.LpAffineExpression],
         gather: pulp.LpAffineExpression,
         reduce: pulp.LpAffineExpression,
     ) -> None:
         """ZeRO-3: weight gathers beyond forward / backward compute, every micro-batch (one
         gather before the backward serves a recomputed forward too: ``dp_exposed_s``)."""
         terms, st, ts, mb = self.terms, self.strategy, self.ts, self.strategy.micro_batches
-        kappa = terms.overlap
+        kappa, s = terms.overlap, terms.overlap_slowdown
         bwd_k, fwd_k = self.lin(k, "bwd_s", ts), self.lin(k, "fwd_s", ts)
         gather_b = pulp.LpVariable(f"zero3_backward_excess_{k}", lowBound=0)
         first, last = (x * ts for x in zero3_unhidden_s(terms))
@@ -273,13 +263,13 @@ class LayoutILP:
             self.prob += reduce_x >= reduce - kappa * bwd_k, f"zero3_reduce_{k}"
             self.prob += reduce_x >= last, f"zero3_last_reduce_{k}"
             self.prob += (
-                self.dp_time >= mb * slowed(hinge + gather_b, 2 * gather) + slowed(reduce_x, reduce),
+                self.dp_time >= mb * slowed(hinge + gather_b, 2 * gather, s) + slowed(reduce_x, reduce, s),
                 f"dp_exposed_{k}",
             )
             return
         self.prob += gather_b >= gather + reduce - kappa * bwd_k, f"zero3_backward_gather_reduce_{k}"
         self.prob += gather_b >= first + last, f"zero3_first_gather_last_reduce_{k}"
-        self.prob += self.dp_time >= mb * slowed(hinge + gather_b, 2 * gather + reduce), f"dp_exposed_{k}"
+        self.prob += self.dp_time >= mb * slowed(hinge + gather_b, 2 * gather + reduce, s), f"dp_exposed_{k}"
 
     def layout(self) -> tuple[tuple[int, ...], ...]:
         """The solved counts per rank and recompute choice (``Strategy.choices``)."""

@@ -73,10 +73,10 @@ def test_presets_and_bands_are_the_corpus_fit_and_held_out_errors_stay_put() -> 
     pr = _benchmark("published_runs")
     rows = [r for r in pr.corpus.load() if not r.not_priced]
     result = pr.evaluate(rows, lambda _: None)
-    constants = result["constants"]
+    constants = result.constants
     assert constants["overlap_slowdown"] == cluster.OVERLAP_SLOWDOWN
     assert {k: constants[k] for k in ("ampere", "hopper")} == cluster.MATMUL_EFFICIENCY
-    assert pr.bands(rows, result["held_out"]) == BANDS
-    assert pr.summary(result["held_out"])["median"] <= 0.12
+    assert pr.bands(rows, result.held_out) == BANDS
+    assert pr.summary(result.held_out)["median"] <= 0.12
     for peak in pr.memory(rows):
         assert peak["source"] != "torchtitan" or abs(peak["error"]) <= 0.10, peak

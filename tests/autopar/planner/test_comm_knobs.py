@@ -115,15 +115,13 @@ def test_ethernet_fp32_weighs_hsdp_and_calls_a_close_race_a_tie() -> None:
     prof = profiles.at(hsdp.micro_batch)
     shared, flat = (estimate(prof, request.cluster, replace(hsdp, dp_replicate=r)) for r in (4, 1))
     assert shared.breakdown_s["dp_comm"] < flat.breakdown_s["dp_comm"]
-    band = result.plan.predicted["band"]["rel"]
     if candidate is None:  # HSDP chosen: the plan says so
         assert (
             f"HSDP: {hsdp.dp_replicate} replicas of {hsdp.dp_shard}-rank shard groups" in result.plan.text()
         )
     else:  # a runner-up: tied where it is within the band
         row = result.plan.why["alternatives"][result.alternatives.index(candidate)]
-        assert row["tied"] == (row["slower_by"] <= 1 + band)
-        assert row["slower_by"] < 1.05 and row["tied"]
+        assert row["slower_by"] < 1.05 and row["tied"]  # a close race, and said to be one
 
 
 def _gpt2_request(lossy: bool) -> PlanRequest:
