@@ -4,12 +4,12 @@ CLI or a benchmark) and handed to the planner whole."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, make_dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
-from autopar.knobs import constraint_fields, constraint_problem
+from autopar.knobs import constraint_fields, constraint_problem, knobs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -76,7 +76,10 @@ class PlanRequest:
     constraints: Constraints = field(default_factory=Constraints)
     """What the user fixed or forbade."""
     top_k: int = 5
-    """Runners-up to keep besides the plan."""
+    """Runners-up to keep besides the plan (those the search met on the way to proving the optimum)."""
+    proven_runners_up: int = 0
+    """Runners-up the search must prove the fastest after the plan, as it proves the plan (at most
+    ``top_k``; more layout ILPs): ``autopar plan --check K`` asks for K − 1."""
     time_limit_s: float = 10.0
     """Wall-time budget of the layout ILPs together."""
     name: str | None = None
@@ -89,6 +92,10 @@ class PlanRequest:
                 raise AutoparError(f"{what} must be a positive integer, got {value!r}")
         if self.dtype not in DTYPES:
             raise AutoparError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not 0 <= self.proven_runners_up <= self.top_k:
+            raise AutoparError(
+                f"proven_runners_up must be within 0..top_k ({self.top_k}), got {self.proven_runners_up!r}"
+            )
         if self.time_limit_s <= 0:
             raise AutoparError(f"time_limit_s must be positive, got {self.time_limit_s!r}")
         c = self.constraints
@@ -117,4 +124,12 @@ class PlanRequest:
         return min(self.cluster.device.memory_bytes, cap) if cap else self.cluster.device.memory_bytes
 
 
-__all__ = ["Constraints", "PlanRequest"]
+def pinned(request: PlanRequest, st: Strategy) -> PlanRequest:
+    """``request`` with every knob the user may fix fixed to ``st``'s value: planned again, it gives
+    ``st`` as a whole plan (its per-block layout and TP table solved again; a runner-up of
+    ``make_plan`` becomes a ``Plan`` this way)."""
+    fixed = {name: getattr(st, name) for name, k in knobs(Strategy).items() if k.fixable}
+    return replace(request, constraints=replace(request.constraints, **fixed), top_k=1, proven_runners_up=0)
+
+
+__all__ = ["Constraints", "PlanRequest", "pinned"]

@@ -167,10 +167,18 @@ class Terms:
         return params + (getattr(self, f"expert_{term}") - 1.0) * expert
 
 
+HIDDEN = "backward, hidden"
+"""Phase of a collective issued in backward behind compute and priced at no time: the re-gather
+of a saved sequence-parallel shard, which Megatron-LM issues asynchronously just before the
+reader's input-gradient GEMM and waits for after it (Korthikanti et al. 2022 §4.2.2;
+``LinearWithGradAccumulationAndAsyncCommunication.backward``), the program the corpus measured.
+autopar's runtime issues it when backward reads the tensor, not yet overlapped."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TPLayer:
     """What the per-operator tensor-parallel choice of one layer type costs (chosen by
-    ``planner.tp_ilp``, summed up by ``cost_models.tp.layout_of``)."""
+    ``planner.tp_ilp``, summed up by ``cost_models.tp_layout.layout_of``)."""
 
     collectives: tuple[tuple[str, str, float], ...]
     """(kind, phase forward/backward, bytes per sequence) of each collective it issues per
@@ -268,7 +276,8 @@ def _tp_phases_s(ctx: _UnitContext, name: str, lc: LayerCost, chosen: TPLayer | 
     if chosen is not None:
         phase = {"forward": 0.0, "backward": 0.0}
         for kind, when, per_sequence in chosen.collectives:
-            phase[when] += _collective_s(ctx, kind, per_sequence * st.micro_batch)
+            if when != HIDDEN:
+                phase[when] += _collective_s(ctx, kind, per_sequence * st.micro_batch)
         return phase["forward"], phase["backward"]
     out = st.micro_batch * st.seq * profile.hidden * profile.act_bytes
     if name == "embed":

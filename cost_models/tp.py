@@ -14,9 +14,15 @@ The terms of the per-operator ILP (``planner/tp_ilp``) and the price of the layo
 |---|---|---|
 | R → R, S(d) → S(d) | – | – |
 | R → Rf (column-parallel input, Megatron ``f``) | – | all-reduce N, once per producer |
-| S → R | all-gather N | – (slice) |
-| S → Rf | all-gather N | reduce-scatter N |
+| S → R | all-gather N | all-gather N if kept, hidden (then slice) |
+| S → Rf | all-gather N | all-gather N if kept, hidden; reduce-scatter N |
 | R → S | – (slice) | all-gather N |
+
+  (kept: a consumer saves the gathered tensor for backward, ``kept_for_backward``. It keeps this
+  rank's shard instead and backward gathers it again, ``passes.tp_collectives.regather_saved``,
+  Korthikanti et al. 2022 §4.2.2; a block recomputed in full gathers it again in its second
+  forward instead. Hidden: behind the reader's input-gradient GEMM, as Megatron-LM schedules
+  it (``terms.HIDDEN``): counted with the collectives, priced at no time.)
 
 - memory (``op_memory_bytes``): model states of the parameters it owns (÷ t where split) plus
   the tensors it saves for backward.
@@ -39,9 +45,8 @@ from autopar.cost_models.comm import (
     reduce_scatter_time_s,
 )
 from autopar.cost_models.compute import FLASH_BACKWARD_RATIO
-from autopar.cost_models.kernels import is_stream_op
-from autopar.cost_models.terms import TPLayer, TPLayout
-from autopar.graph import CapturedModel, Layer
+from autopar.cost_models.terms import HIDDEN
+from autopar.graph.annotate import is_view
 from autopar.graph.dispatch import fused_attention
 from autopar.mesh import ParallelDims
 from autopar.passes.tp_graph import GraphIndex, index_graph
@@ -76,7 +81,8 @@ class Collective:
     kind: str
     """``all_reduce``, ``all_gather`` or ``reduce_scatter``."""
     phase: str
-    """``forward`` or ``backward``."""
+    """``forward``, ``backward``, or ``terms.HIDDEN`` (issued in backward behind compute: counted,
+    priced at no time)."""
     size_bytes: int
     """Bytes of the full (unsharded) tensor."""
     at: str
@@ -102,13 +108,36 @@ def collective_time_s(kind: str, size_bytes: int, t: int, link: GroupLink) -> fl
     return allgather_time_s(size_bytes, t, link)
 
 
+def _repeats(phase: str, forward_passes: int) -> int:
+    """How many times a collective of ``phase`` is priced per micro-batch."""
+    return {"forward": forward_passes, "backward": 1, HIDDEN: 0}[phase]
+
+
 def collectives_s(collectives: list[Collective], t: int, link: GroupLink, forward_passes: int = 1) -> float:
     """Seconds of all of ``collectives`` one after the other, a forward one ``forward_passes``
     times (2 under full recompute: the recomputed forward issues its collectives again)."""
     return sum(
-        collective_time_s(c.kind, c.size_bytes, t, link) * (forward_passes if c.phase == "forward" else 1)
+        collective_time_s(c.kind, c.size_bytes, t, link) * _repeats(c.phase, forward_passes)
         for c in collectives
     )
+
+
+def kept_for_backward(u: fx.Node) -> bool:
+    """Whether an operator reading ``u``, or a view of it, saves for backward a tensor of as many
+    elements (its ``autopar.saved``; a linear saves its input viewed as (b·s, h)): gathered, it
+    is gathered again there."""
+    numel = math.prod(out_shape(u))
+    readers, seen = list(u.users), set()
+    while readers:  # through views (a no-op ``to``, a reshape): their readers save the same storage
+        v = readers.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if any(math.prod(sh) == numel for sh, _ in v.meta.get("autopar.saved", ())):
+            return True
+        if v.op == "call_function" and is_view(v):
+            readers += v.users
+    return False
 
 
 def reshard(
@@ -120,25 +149,31 @@ def reshard(
     *,
     grad: bool = True,
     forward_passes: int = 1,
+    kept: bool = True,
 ) -> tuple[float, list[tuple[str, str]]]:
     """Seconds and collectives (kind, phase) to turn placement ``src`` into ``dst`` (table above);
     ``grad`` False: the tensor needs no gradient (rotary tables, masks), so no backward part;
-    a forward collective counts ``forward_passes`` times (``collectives_s``)."""
+    a forward collective counts ``forward_passes`` times (``collectives_s``); ``kept``: a consumer
+    saves the tensor (``kept_for_backward``), so a gathered one is gathered again in backward."""
     if src == dst or (src == R and dst == R):
         return 0.0, []
+    # a gathered tensor a consumer saves is gathered again in backward; the second forward of a
+    # block recomputed in full has it instead
+    again = [("all_gather", HIDDEN)] if kept and forward_passes == 1 else []
     if src == R and dst == RF:
         steps = [("all_reduce", "backward")]
     elif shard_dim(src) is not None and dst == R:
-        steps = [("all_gather", "forward")]
+        steps = [("all_gather", "forward"), *again]
     elif shard_dim(src) is not None and dst == RF:
-        steps = [("all_gather", "forward"), ("reduce_scatter", "backward")]
+        steps = [("all_gather", "forward"), *again, ("reduce_scatter", "backward")]
     elif src == R and shard_dim(dst) is not None:
         steps = [("all_gather", "backward")]
     else:
         return INFEASIBLE, []
     steps = [st for st in steps if grad or st[1] == "forward"]
-    repeats = {"forward": forward_passes, "backward": 1}
-    return sum(collective_time_s(kind, size_bytes, t, link) * repeats[ph] for kind, ph in steps), steps
+    return sum(
+        collective_time_s(k, size_bytes, t, link) * _repeats(ph, forward_passes) for k, ph in steps
+    ), steps
 
 
 def leave(
@@ -161,7 +196,9 @@ def leave(
         rows = math.prod(tuple(n.meta["autopar.shape"][:-1])) * 4  # fp32 per row
         c = Collective(kind="all_reduce", phase="forward", size_bytes=rows, at=LOSS)
         return 3 * collective_time_s("all_reduce", rows, t, link), [c, c, c]  # the loss: never recomputed
-    c_s, kinds = reshard(out, to, tensor_bytes(n), t, link, grad=grad, forward_passes=forward_passes)
+    c_s, kinds = reshard(
+        out, to, tensor_bytes(n), t, link, grad=grad, forward_passes=forward_passes, kept=kept_for_backward(n)
+    )
     return c_s, [Collective(kind=k, phase=p, size_bytes=tensor_bytes(n), at=n.name) for k, p in kinds]
 
 
@@ -381,6 +418,7 @@ def price_layer(ctx: LayerContext, chosen: dict[str, OpStrategy], memory_bytes: 
                 ctx.link,
                 grad=u.name in ctx.grads,
                 forward_passes=ctx.forward_passes,
+                kept=kept_for_backward(u),
             )
             total += c
             collectives += [
@@ -410,59 +448,6 @@ def price_layer(ctx: LayerContext, chosen: dict[str, OpStrategy], memory_bytes: 
     )
 
 
-# ---- what a model's choices cost the outer cost model ------------------------------------------
-
-
-def layout_of(
-    cap: CapturedModel,
-    tp: int,
-    choices: list[tuple[int, tuple[Layer, ...], LayerTP]],
-    index: GraphIndex | None = None,
-) -> TPLayout:
-    """Per layer type, what the per-operator ``choices`` at width ``tp`` cost the outer cost
-    model: their collectives (bytes per sequence of the captured micro-batch) and the parameters
-    one rank keeps (a weight the choice leaves replicated counts whole)."""
-    if tp == 1:
-        return {}
-    index = index or index_graph(cap.gm)
-    layer_of = {n.name: cap.layers[i].type for i, nodes in index.layers.items() for n in nodes}
-    out: dict[str, TPLayer] = {}
-    for _, layers, choice in choices:
-        types = {layer.type for layer in layers}
-        coll: dict[str, list[tuple[str, str, float]]] = {name: [] for name in types}
-        for c in choice.collectives:
-            owner = layers[-1].type if c.at == LOSS else layer_of.get(c.at, layers[0].type)
-            coll[owner].append((c.kind, c.phase, c.size_bytes / cap.batch))
-        local: dict[str, float] = {name: 0.0 for name in types}
-        nodes = [n for layer in layers for n in index.layers.get(layer.index, ())]
-        by_name = {n.name: n for n in nodes}
-        for (name, pos), param in param_owners(nodes).items():
-            split = param_split(choice.strategies[name], by_name[name], pos)
-            local[layer_of[name]] += param_numel(param) / (tp if split else 1)
-        shares = _stream_shares(cap, layers, index, choice)
-        for name in types:
-            out[name] = TPLayer(
-                collectives=tuple(coll[name]), local_params=local[name], stream_share=shares[name]
-            )
-    return out
-
-
-def _stream_shares(
-    cap: CapturedModel, layers: tuple[Layer, ...], index: GraphIndex, choice: LayerTP
-) -> dict[str, float]:
-    """Per layer type, the byte-weighted compute share the choice gives its residual-stream
-    operators (``profile.OpCost.stream``: no FLOPs, (…, h) outputs): 1 replicated, 1/t split."""
-    shares: dict[str, float] = {}
-    for layer in layers:
-        moved = total = 0.0
-        for n in index.layers.get(layer.index, ()):
-            mem = n.meta.get("autopar.mem_bytes", 0)
-            if is_stream_op(n, cap.hidden_size) and mem and n.name in choice.strategies:
-                moved, total = moved + mem * choice.strategies[n.name].compute_fraction, total + mem
-        shares[layer.type] = moved / total if total else 1.0
-    return shares
-
-
 __all__ = [
     "INFEASIBLE",
     "LOSS",
@@ -471,8 +456,8 @@ __all__ = [
     "LayerTP",
     "collective_time_s",
     "collectives_s",
+    "kept_for_backward",
     "layer_context",
-    "layout_of",
     "leave",
     "op_compute_s",
     "op_memory_bytes",

@@ -40,6 +40,7 @@ from autopar.passes.tp_collectives import (
     tp_gather,
     tp_reduce,
     tp_reduce_scatter,
+    tp_reslice,
     tp_slice,
     vocab_embedding,
 )
@@ -128,6 +129,8 @@ def _conversion(have: str, need: str, group: str, rank: int, t: int) -> tuple[An
         return tp_gather, (hd, group, rank, t, need == RF)
     if have == R and nd is not None:
         return tp_slice, (nd, group, rank, t)
+    if hd is not None and nd is not None:  # a layer's output into the next layer, through the stream
+        return tp_reslice, (hd, nd, group, rank, t)
     raise AssertionError(f"no conversion {have} → {need}: the chooser forbids it")
 
 

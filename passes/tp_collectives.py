@@ -7,6 +7,9 @@ al. 2019, §3: ``f`` is the identity forward and an all-reduce backward, ``g`` t
 - ``tp_reduce`` (g): all-reduce forward, identity backward;
 - ``tp_reduce_scatter``: sequence-parallel g, reduce-scatter forward, all-gather backward;
 - ``tp_gather`` / ``tp_slice``: all-gather forward and slice backward, and the reverse;
+- ``regather_saved``: saved-tensor hooks under which a gathered tensor (a column-parallel
+  input) is kept as this rank's shard and gathered again when backward reads it (Korthikanti
+  et al. 2022 §4.2.2: sequence parallelism keeps s·b·h/t of each such input, not s·b·h);
 - ``tp_chunks``: this rank's slice of every chunk of a fused replicated bias;
 - ``vocab_embedding``: a lookup in this rank's rows of a vocabulary-parallel embedding.
 """
@@ -50,14 +53,77 @@ class _Reduce(torch.autograd.Function):
         return g, None
 
 
+class _Gathered:
+    """What a gathered column-parallel input is rebuilt from when backward reads it: this rank's
+    shard, and the gathered buffer while the consumers that saved it (``pending``) have not read it
+    (Q, K and V's projections read one gathered tensor: gathered once for the three)."""
+
+    __slots__ = ("dim", "full", "group", "pending", "shard")
+
+    def __init__(self, shard: torch.Tensor, dim: int, group: str) -> None:
+        self.shard, self.dim, self.group = shard, dim, group
+        self.pending = 0
+        self.full: torch.Tensor | None = None
+
+    def rebuilt(self, size: Any, stride: Any, offset: int) -> torch.Tensor:
+        """The saved view (``size``, ``stride``, ``offset`` into the gathered buffer), gathered again:
+        the collective fills a fresh buffer laid out as the first one was."""
+        if self.full is None:
+            out = waited(funcol.all_gather_tensor(self.shard, gather_dim=self.dim, group=self.group))
+            self.full = out if out._base is None else out._base
+        return self.full.as_strided(size, stride, offset)
+
+
+GATHERED = "_autopar_gathered"
+"""Attribute of the buffer ``tp_gather`` made: its ``_Gathered``."""
+
+
+def _buffer(t: torch.Tensor) -> torch.Tensor:
+    """The tensor owning ``t``'s memory (``t`` or the base it views)."""
+    return t if t._base is None else t._base
+
+
+def _pack(t: torch.Tensor) -> Any:
+    source = getattr(_buffer(t), GATHERED, None)
+    if source is None:
+        return t
+    source.pending += 1
+    return source, t.size(), t.stride(), t.storage_offset()
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor):
+        return packed
+    source, size, stride, offset = packed
+    out = source.rebuilt(size, stride, offset)
+    source.pending -= 1
+    if source.pending <= 0:  # its last reader has it: the next backward (retain_graph) gathers again
+        source.full = None
+    return out
+
+
+def regather_saved() -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks (a context manager) under which a tensor ``tp_gather`` made (a
+    column-parallel input), or a view of it, is saved as this rank's shard and all-gathered again
+    when backward reads it: per such input s·b·h·(1 − 1/t) bytes fewer kept per micro-batch, for
+    one more all-gather in backward (Megatron's sequence parallelism, Korthikanti et al. 2022
+    §4.2.2). Tensors saved inside recomputed blocks are the checkpoint's (innermost hooks win)."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
 class _Gather(torch.autograd.Function):
     """All-gather along ``dim``; backward takes this rank's slice, reduce-scattering first when the
-    gradient is a partial sum (the gathered tensor feeds column-parallel weights)."""
+    gradient is a partial sum (the gathered tensor feeds column-parallel weights). The gathered
+    tensor is marked to be rebuilt from its shard where it is saved (``regather_saved``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: str, rank: int, size: int, partial: bool) -> Any:
         ctx.args = dim, group, rank, size, partial
-        return waited(funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=_named(group)))
+        shard = x.contiguous()
+        out = waited(funcol.all_gather_tensor(shard, gather_dim=dim, group=_named(group)))
+        # on the buffer: a gather of one sequence along dim 1 is a view of it
+        setattr(_buffer(out), GATHERED, _Gathered(shard.detach(), dim, group))
+        return out
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
@@ -159,16 +225,25 @@ def tp_slice(x: torch.Tensor, dim: int, group: str, rank: int, size: int) -> tor
     return _Slice.apply(x, dim, group, rank, size)
 
 
-OURS = (tp_copy, tp_reduce, tp_reduce_scatter, tp_gather, tp_slice, tp_chunks, vocab_embedding)
+def tp_reslice(x: torch.Tensor, have: int, need: int, group: str, rank: int, size: int) -> torch.Tensor:
+    """A tensor split along ``have`` split along ``need`` instead: gathered whole, then sliced (a
+    layer's output leaves in the residual stream's placement and the next layer takes its slice,
+    ``cost_models.tp.leave`` then ``reshard``)."""
+    return tp_slice(tp_gather(x, have, group, rank, size, False), need, group, rank, size)
+
+
+OURS = (tp_copy, tp_reduce, tp_reduce_scatter, tp_gather, tp_slice, tp_reslice, tp_chunks, vocab_embedding)
 """The functions the rewrite inserts (left alone when it walks the graph again)."""
 
 __all__ = [
     "OURS",
+    "regather_saved",
     "tp_chunks",
     "tp_copy",
     "tp_gather",
     "tp_reduce",
     "tp_reduce_scatter",
+    "tp_reslice",
     "tp_slice",
     "vocab_embedding",
     "waited",

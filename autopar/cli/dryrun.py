@@ -42,7 +42,12 @@ def add_parser(sub: Any) -> None:
         default="distinct",
         help="which ranks: distinct (first, middle and last pipeline rank; default), all, or R,R,…",
     )
-    p.add_argument("--steps", type=positive, default=2, help="training steps, the last measured (default 2)")
+    p.add_argument(
+        "--steps",
+        type=positive,
+        default=1,
+        help="training steps after the optimizer's state is made, the last measured (default 1)",
+    )
     add_json_flag(p, "a table")
     add_constraint_flags(p.add_argument_group("plan options when no --plan is given (default: planned)"))
 
@@ -126,6 +131,35 @@ def check(args: argparse.Namespace, plan: Any) -> list[dict[str, Any]]:
     return out
 
 
+def check_top(
+    args: argparse.Namespace, request: Any, profiles: Any, result: Any
+) -> tuple[Any, list[dict[str, Any]]]:
+    """``autopar plan --check K``: the chosen plan, then its runners-up (each planned again with
+    its knobs pinned, ``request.pinned``), dry-run in order of predicted speed until one builds
+    and fits on every distinct rank; that plan, and per plan tried its ranks and verdict. Raises
+    ``AutoparError`` (one line: the first plan's verdict) when none of the K does."""
+    from autopar.planner import make_plan
+    from autopar.request import pinned
+
+    tried: list[dict[str, Any]] = []
+    alternatives = [None, *result.alternatives[: args.check - 1]]
+    for i, alt in enumerate(alternatives):
+        if alt is None:
+            plan = result.plan
+        else:
+            progress(args, f"planning runner-up {i} with its knobs pinned …")
+            plan = make_plan(pinned(request, alt.strategy), profiles).plan
+        ranks = check(args, plan)
+        verdict = check_verdict(ranks, plan.predicted["memory_capacity_bytes"])
+        tried.append({"runner_up": i, "hash": plan.hash, "strategy": plan.strategy.to_dict(), "ranks": ranks})
+        tried[-1]["verdict"] = verdict
+        if not verdict:
+            return plan, tried
+    first = tried[0]["verdict"]
+    more = f"; so did its {len(tried) - 1} runner(s)-up" if len(tried) > 1 else ""
+    raise AutoparError(first + more)
+
+
 def check_verdict(checked: list[dict[str, Any]], capacity: float) -> str:
     """One line on the first rank whose dry run failed or did not fit ("" when all did)."""
     bad = next((c for c in checked if not c["fits"]), None)
@@ -170,4 +204,4 @@ def _print(console: Console, plan: Any, runs: list[Any]) -> None:
             console.print(f"rank {r.rank} collectives of a step: " + "; ".join(parts))
 
 
-__all__ = ["add_parser", "check", "check_verdict", "cmd_dryrun"]
+__all__ = ["add_parser", "check", "check_top", "check_verdict", "cmd_dryrun"]

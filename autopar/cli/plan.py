@@ -22,9 +22,8 @@ from autopar.cli.common import (
     progress_bar,
     spinner,
 )
-from autopar.cli.dryrun import check, check_verdict
+from autopar.cli.dryrun import check_top
 from autopar.cost_models.bands import band_text
-from autopar.errors import AutoparError
 from autopar.files import check_writable, write_atomic
 from autopar.plan import Plan
 from autopar.units import format_bytes
@@ -45,8 +44,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument(
         "--check",
-        action="store_true",
-        help="dry-run the plan's distinct ranks (autopar dryrun) and fail unless each builds and fits",
+        nargs="?",
+        type=positive,
+        const=1,
+        default=None,
+        metavar="K",
+        help="dry-run the plan's distinct ranks (autopar dryrun); with K, up to K plans (the chosen, then "
+        "its runners-up) until one builds and fits, which becomes the plan; fail if none does",
     )
     add_json_flag(p, "tables")
     add_measured_flags(p)
@@ -75,7 +79,8 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
         constraints=constraints_from_args(
             args, memory_cap_bytes=args.memory_cap_gib * 2**30 if args.memory_cap_gib else None
         ),
-        top_k=args.top,
+        top_k=max(args.top, (args.check or 1) - 1),
+        proven_runners_up=(args.check or 1) - 1,  # --check K tries the K fastest, each proven
         time_limit_s=args.time_limit,
     )
     with spinner(args, f"capturing {args.model} at seq {request.seq} …"):
@@ -83,11 +88,10 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
         profiles.at(1), profiles.at(2)  # the two captures every micro-batch size is derived from
     with progress_bar(not args.json) as bar:
         result = make_plan(request, profiles, progress=bar)
-    plan = result.plan
-    if args.out:
+    plan, checked = check_top(args, request, profiles, result) if args.check else (result.plan, None)
+    if args.out:  # the plan that passed its dry run, if asked for one; nothing when none did
         write_atomic(args.out, plan.to_json())
-    alternatives, baselines = plan.why["alternatives"], plan.why["baselines"]
-    checked = check(args, plan) if args.check else None
+    alternatives, baselines = result.plan.why["alternatives"], result.plan.why["baselines"]
     if args.json:
         print_json(
             {
@@ -107,13 +111,12 @@ def cmd_plan(args: argparse.Namespace, console: Console) -> None:
             }
         )
     else:
-        _print_result(console, args, result, checked)
-    _fail_check(checked, plan)
+        _print_result(console, args, result, plan, checked)
 
 
-def _print_result(console: Console, args: argparse.Namespace, result: Any, checked: Any) -> None:
-    """The plan as text: its lines and stages, how the search went, what it beat, --check's runs."""
-    plan = result.plan
+def _print_result(console: Console, args: argparse.Namespace, result: Any, plan: Plan, checked: Any) -> None:
+    """The plan (the chosen one, or the runner-up that passed ``--check``) as text: its lines and
+    stages, how the search went, what the chosen plan beat, --check's runs."""
     _print_plan(console, plan)
     console.print(
         f"solved in {result.solve_time_s:.2f} s: {result.ilps_solved} layout ILPs over "
@@ -122,18 +125,19 @@ def _print_result(console: Console, args: argparse.Namespace, result: Any, check
     _print_why(console, plan.why["alternatives"], plan.why["baselines"])
     if args.out:
         console.print(f"[dim]plan written to {args.out}[/dim]")
-    for c in checked or []:
-        fits = "fits" if c["fits"] else "DOES NOT FIT" if not c["failure"] else "FAILED"
+    for tried in checked or []:
+        which = "the chosen plan" if tried["runner_up"] == 0 else f"runner-up {tried['runner_up']}"
+        for c in tried["ranks"]:
+            fits = "fits" if c["fits"] else "DOES NOT FIT" if not c["failure"] else "FAILED"
+            console.print(
+                f"dry run of {which}, rank {c['rank']} ({c['role']}): {format_bytes(c['needs_bytes'])} "
+                f"with the reserve, predicted {format_bytes(c['predicted'].get('peak_bytes', 0.0))}: {fits}"
+            )
+    if checked and checked[-1]["runner_up"] > 0:
         console.print(
-            f"dry run rank {c['rank']} ({c['role']}): {format_bytes(c['needs_bytes'])} with the reserve, "
-            f"predicted {format_bytes(c['predicted'].get('peak_bytes', 0.0))}: {fits}"
+            f"[bold]the chosen plan failed its dry run ({checked[0]['verdict']}); runner-up "
+            f"{checked[-1]['runner_up']} passed and is the plan{' written' if args.out else ''}[/bold]"
         )
-
-
-def _fail_check(checked: list[dict[str, Any]] | None, plan: Plan) -> None:
-    """``--check``: one line, exit 2, when a rank's program failed or does not fit."""
-    if checked and (why := check_verdict(checked, plan.predicted["memory_capacity_bytes"])):
-        raise AutoparError(why)
 
 
 def _print_plan(console: Console, plan: Plan) -> None:

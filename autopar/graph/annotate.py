@@ -192,7 +192,7 @@ class _CostInterpreter(fx.Interpreter):
         n.meta["autopar.bwd_flops"] = fwd * min(2, grad_operands)
         n.meta["autopar.saved_bytes"] = sum(nbytes for _, nbytes in self.node_saved)
         n.meta["autopar.saved"] = tuple(self.node_saved)
-        n.meta["autopar.mem_bytes"] = 0 if _is_view(n) else _mem_bytes(n, out, self.env)
+        n.meta["autopar.mem_bytes"] = 0 if is_view(n) else _mem_bytes(n, out, self.env)
         n.meta["autopar.out_bytes"] = _nbytes(out)
         n.meta["autopar.param_bytes"] = _param_bytes(first) if is_param else 0
         return out
@@ -226,7 +226,7 @@ def _cpu_device(x: Any) -> Any:
 _CPU = torch.device("cpu")
 
 
-def _is_view(n: fx.Node) -> bool:
+def is_view(n: fx.Node) -> bool:
     """Ops that alias their input (view, transpose, split, getitem, …) move no bytes."""
     if n.op != "call_function":
         return True

@@ -4,8 +4,10 @@
 world (its collectives move no data), builds the model under ``FakeTensorMode`` (tensors with
 shapes, dtypes and storage sizes, no bytes behind them), applies the plan with the same
 ``parallelize`` a job runs — capture, every pass, DTensor and FSDP2 wrapping, the schedule, the
-optimizer — and runs whole training steps: every micro-batch, the gradient reductions, the
-optimizer step. The last step is measured:
+optimizer — makes the optimizers' state as a first step would (``make_optimizer_state``: zero
+gradients, one optimizer step, no forward), and runs a whole training step: every micro-batch,
+the gradient reductions, the optimizer step. That step (the last, with ``steps`` > 1) is
+measured:
 
 - memory: the bytes alive at once in the storages this rank holds (a DTensor's local shard, not
   its global size), the model states present before the step (parameters, optimizer state)
@@ -193,7 +195,20 @@ def _refusal(plan: Plan) -> str:
     return ""
 
 
-def dry_run(make_model: Callable[[], nn.Module], plan: Plan, rank: int, *, steps: int = 2) -> DryRun:
+def make_optimizer_state(pm: Any) -> None:
+    """The optimizers' state made as a first step makes it (AdamW's moments, ZeRO's shards), without
+    a forward and backward: every local parameter given a zero gradient, one optimizer step, the
+    gradients cleared (a simulated rank's values mean nothing; a real one's are left as trained
+    by zeros: weight decay only). The next step is then measured as every later one."""
+    for stage in pm.stages:
+        for p in stage.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    pm.optimizer.step()
+    pm.optimizer.zero_grad(set_to_none=True)
+
+
+def dry_run(make_model: Callable[[], nn.Module], plan: Plan, rank: int, *, steps: int = 1) -> DryRun:
     """Simulate ``rank`` of ``plan``'s world here (module docstring); never raises for the plan's
     program: a failure is ``DryRun.failure``, one line naming the step."""
     role, start = _role(plan, rank), time.perf_counter()
@@ -216,7 +231,9 @@ def dry_run(make_model: Callable[[], nn.Module], plan: Plan, rank: int, *, steps
             pm = parallelize(model, plan)
             st = plan.strategy
             batch = torch.randint(0, 2, (st.global_batch // st.dp, st.seq))
-            for step in range(1, steps):  # the optimizer's state made, as in every later step
+            what = "making the optimizer's state"
+            make_optimizer_state(pm)
+            for step in range(1, steps):
                 what = f"training step {step}"
                 pm.backward(batch)
                 pm.step()
@@ -264,4 +281,4 @@ def _predicted(plan: Plan, rank: int) -> dict[str, float]:
     return {key: float(v) for key, v in (memory[k] if k < len(memory) else {}).items() if key != "stage"}
 
 
-__all__ = ["DryRun", "dry_run", "held_bytes", "measure_step", "rank_roles"]
+__all__ = ["DryRun", "dry_run", "held_bytes", "make_optimizer_state", "measure_step", "rank_roles"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -111,29 +111,58 @@ def retained_bytes(forward: Callable[..., Any], inputs: Inputs) -> int:
 
 class PeakMode(TorchDispatchMode):
     """The most bytes the storages an operator made were ever alive at once (a DTensor's: its
-    local shard's, the bytes this rank holds)."""
+    local shard's, the bytes this rank holds). A storage resized in place (FSDP2 frees an
+    unsharded parameter with ``resize_(0)`` and refills it with ``resize_(n)``) counts at its
+    size of the moment, wherever it was made: ``UntypedStorage.resize_`` is not dispatched, so the
+    mode wraps it while active, as ``torch.distributed._tools.mem_tracker.MemTracker`` does."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = 0
-        self.alive: set[int] = set()
+        self.sizes: dict[int, int] = {}
+        self._resize: Any = None
 
-    def _freed(self, key: int, nbytes: int) -> None:
-        self.live -= nbytes
-        self.alive.discard(key)
+    def _freed(self, key: int) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key in self.sizes:
+            self.live += nbytes - self.sizes[key]
+            self.sizes[key] = nbytes
+            return
+        self.sizes[key] = nbytes
+        self.live += nbytes
+        freed = weakref.finalize(storage, self._freed, key)
+        freed.atexit = False  # a count, nothing to release at exit
+        self.peak = max(self.peak, self.live)
+
+    def __enter__(self) -> Self:
+        resize, mode = torch.UntypedStorage.resize_, self
+
+        def counted(storage: torch.UntypedStorage, size: int) -> Any:
+            out = resize(storage, size)
+            if storage._cdata in mode.sizes or size > 0:
+                mode._track(storage)
+                mode.peak = max(mode.peak, mode.live)
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = counted  # type: ignore[method-assign, assignment]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         read = {held(t).untyped_storage()._cdata for t in tensors((args, kwargs))}
         for t in tensors(out):
             storage = held(t).untyped_storage()
-            key = storage._cdata
-            if key in read or key in self.alive:  # a view, an in-place result, a second output
+            if storage._cdata in read or storage._cdata in self.sizes:  # a view, in place, a second output
                 continue
-            self.alive.add(key)
-            self.live += storage.nbytes()
-            freed = weakref.finalize(storage, self._freed, key, storage.nbytes())
-            freed.atexit = False  # a count, nothing to release at exit
+            self._track(storage)
         self.peak = max(self.peak, self.live)
         return out
 

@@ -261,7 +261,8 @@ def _quiet(done: int, total: int, what: str) -> None:
 
 def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = None) -> SearchResult:
     """Branch and bound over outer strategies: the optimum first, then the best ``top_k``
-    runners-up met on the way (the search stops once no bound can beat the optimum).
+    runners-up met on the way (the search stops once no bound can beat the optimum, or the
+    ``proven_runners_up``-th runner-up when the request asks for them proven).
 
     Also returns how many ILPs ran, the number of outer candidates, the proven relative gap
     of the best plan (nonzero only when an ILP ran out of time), and for infeasibility
@@ -281,8 +282,9 @@ def search(request: PlanRequest, pricer: Pricer, progress: Progress | None = Non
     heapq.heapify(heap)
     while heap:
         bound, i, tight = heapq.heappop(heap)
-        if found and bound >= found[0].estimate.step_time_s:
-            break  # no remaining outer choice can beat the best plan
+        k = request.proven_runners_up
+        if len(found) > k and bound >= found[k].estimate.step_time_s:
+            break  # no remaining outer choice can beat the best plan (or its k-th runner-up)
         problem = bounded[i][1]
         if not tight:
             heapq.heappush(heap, (tight_bound_s(problem), i, True))

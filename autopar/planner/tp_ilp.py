@@ -45,6 +45,7 @@ from autopar.cost_models.tp import (
     LayerContext,
     LayerTP,
     collectives_s,
+    kept_for_backward,
     layer_context,
     leave,
     op_compute_s,
@@ -145,7 +146,7 @@ class LayerILP:
         inside = set(ctx.nodes)
         for v in ctx.nodes:
             for slot, u in enumerate(tensor_args(v)):
-                size = tensor_bytes(u)
+                size, kept = tensor_bytes(u), kept_for_backward(u)
                 pairs = (
                     [(None, ctx.outside[u.name])]
                     if u not in inside
@@ -162,6 +163,7 @@ class LayerILP:
                             ctx.link,
                             grad=u.name in ctx.grads,
                             forward_passes=ctx.forward_passes,
+                            kept=kept,
                         )
                         active = x[v, b] if a is None else x[u, a] + x[v, b] - 1
                         tag = f"{u.name}_{v.name}_{slot}_{a}_{b}"

@@ -1,7 +1,7 @@
 """What the per-operator TP choice (``tp_ilp``) means for a whole model and for the planner.
 
 ``layer_choices`` runs one ``choose_layer`` ILP per block type and one for embedding and head;
-``cost_models.tp.layout_of`` prices such a choice for the outer cost model; ``tp_tables``
+``cost_models.tp_layout.layout_of`` prices such a choice for the outer cost model; ``tp_tables``
 writes it into the Plan; ``TPLayouts`` caches the layouts the planner's search prices, and
 offers the leanest layout as a second candidate where it differs from the fastest (the
 per-operator ILP trades time for memory; the outer search, which knows the memory of the whole
@@ -249,7 +249,7 @@ class TPLayouts:
     def _solve(self, key: tuple[int, bool, str, int], where: dict[str, Any] | None) -> TPLayout:
         """The layout solved on the graph (captured now if the profile came from the cache), kept
         in the disk cache under ``where``."""
-        from autopar.cost_models.tp import layout_of
+        from autopar.cost_models.tp_layout import layout_of
 
         layout = layout_of(self.graph, key[0], self._choices(*key), self.index)
         if where is not None:

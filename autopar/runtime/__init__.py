@@ -2,7 +2,7 @@
 every plan runs through (a degree of 1 skips its step):
 
     capture → tensor-parallel pass → expert-parallel pass → loss split → stage split
-            → outline blocks (and their experts) → recompute → compile blocks
+            → outline blocks (and their experts) → recompute → compile blocks → regather
             → data parallel (DDP / ZeRO-1 / FSDP2; experts over their own ranks) → allocate
             → optimizers → schedule
 
@@ -58,6 +58,7 @@ from autopar.runtime.steps import (
     apply_outline_blocks,
     apply_pipeline_split,
     apply_recompute,
+    apply_regather,
     apply_tensor_parallel,
     apply_tied_groups,
     graph_objective,
@@ -101,11 +102,11 @@ def parallelize(
     apply_outline_blocks(stages)
     apply_recompute(stages, plan)
     apply_compile(stages, plan)
+    apply_regather(stages, plan)
     tied = apply_tied_groups(stages, plan, timeout_s)
     fsdp = apply_data_parallel(stages, plan, mesh, half)
     apply_materialize(stages, on_meta)
-    kwargs = optimizer_kwargs if optimizer_kwargs is not None else {"lr": 1e-3}
-    optimizer = apply_optimizer(stages, plan, optimizer_cls, kwargs)
+    optimizer = apply_optimizer(stages, plan, optimizer_cls, optimizer_kwargs)
     loss_fn = tail_loss(stages.loss_graph, stages.loss_kept) if stages.loss_graph is not None else loss_fn
     loss_fn = whole_logits(loss_fn) if st.tp > 1 else loss_fn
     schedule = apply_schedule(stages, plan, mesh, loss_fn)

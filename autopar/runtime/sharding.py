@@ -233,15 +233,16 @@ class StageOptimizers:
 
 
 def apply_optimizer(
-    stages: Stages, plan: Plan, optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
+    stages: Stages, plan: Plan, optimizer_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any] | None
 ) -> StageOptimizers:
-    """``optimizer_cls(params, **kwargs)`` per local stage; under DDP at ZeRO 1 its states are
-    sharded over the data-parallel ranks (``ZeroRedundancyOptimizer``). A weight two local
-    stages share (a tied embedding and head on the first rank of a V) is updated by the first
-    stage's optimizer only."""
+    """``optimizer_cls(params, **kwargs)`` per local stage (``kwargs`` None: lr 1e-3); under DDP
+    at ZeRO 1 its states are sharded over the data-parallel ranks (``ZeroRedundancyOptimizer``).
+    A weight two local stages share (a tied embedding and head on the first rank of a V) is
+    updated by the first stage's optimizer only."""
     from torch.nn.parallel import DistributedDataParallel
 
     ordered = stages.ordered
+    kwargs = {"lr": 1e-3} if kwargs is None else kwargs
     if plan.strategy.zero == 1 and isinstance(ordered[0], DistributedDataParallel):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -237,6 +237,30 @@ def apply_compile(stages: Stages, plan: Plan) -> None:
         compile_blocks(module, plan.recompute)
 
 
+def apply_regather(stages: Stages, plan: Plan) -> None:
+    """tp > 1: each stage's forward runs under ``regather_saved``, so a column-parallel input
+    gathered from shards (sequence parallelism) is kept as this rank's shard and gathered again in
+    backward (``passes.tp_collectives``), as ``cost_models.recompute.kept_bytes`` and
+    ``cost_models.tp.reshard`` price it."""
+    if stages.gm is None or plan.strategy.tp == 1:
+        return
+    from autopar.passes.tp_collectives import regather_saved
+
+    for module in stages.modules.values():
+        entered: list[Any] = []
+
+        def enter(_m: nn.Module, _args: Any, entered: list[Any] = entered) -> None:
+            hooks = regather_saved()
+            hooks.__enter__()
+            entered.append(hooks)
+
+        def leave(_m: nn.Module, _args: Any, _out: Any, entered: list[Any] = entered) -> None:
+            entered.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+
+
 # ---- parameters on several pipeline ranks ---------------------------------------------------
 
 

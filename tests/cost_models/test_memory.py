@@ -91,10 +91,28 @@ def test_peak_bytes_counts_what_is_alive_at_once() -> None:
     assert peak_bytes(run) == 8000
 
 
+def test_peak_bytes_follows_storage_resized_in_place() -> None:
+    # FSDP2 frees an unsharded parameter with resize_(0) and refills it with resize_(n)
+    kept = torch.ones(1000)  # made before the measurement: not counted
+    resize = torch.UntypedStorage.resize_
+
+    def run() -> None:
+        kept.untyped_storage().resize_(0)  # freed: was never counted, counts nothing
+        kept.untyped_storage().resize_(4000)  # refilled: 4000 B
+        extra = torch.ones(500)  # 2000 B more: 6000 B alive
+        del extra
+        kept.untyped_storage().resize_(0)  # 0 B alive
+
+    assert peak_bytes(run) == 6000
+    assert torch.UntypedStorage.resize_ is resize  # the measurement's wrapper is gone
+
+
 # One step of a ZeRO-2/3 plan on 2 gloo processes, measured with ``peak_bytes``: the storages the
-# step makes are the gradients, the activations and the loss's buffers (FSDP2 gathers parameters
-# into storage it resizes, which the measurement does not see), so their predicted sum must equal
-# the measured peak. Before gradients were reduce-scattered every micro-batch, a 2-micro-batch
+# step makes are the gradients, the activations and the loss's buffers, and the parameters FSDP2
+# gathers (into storage it resizes, which ``peak_bytes`` follows): under ZeRO-3 each layer's are
+# freed after its forward and none is gathered at the peak (the loss's); under ZeRO-2 the whole
+# model's stay gathered from the first forward to the end of backward. So their predicted sum
+# must equal the measured peak. Before gradients were reduce-scattered every micro-batch, a 2-micro-batch
 # step held the whole model's gradients (17 MiB here) on top.
 LLAMA = dict(n_layer=4, dim=256, n_head=4, n_kv_head=2, ffn_dim=512, vocab_size=4096, max_seq_len=256)
 ZERO_CASES = [(3, 2), (3, 4), (2, 2)]  # (zero, micro-batch) at 8 sequences of 256 over 2 ranks
@@ -154,4 +172,6 @@ def test_zero_step_memory_measured(tmp_path: Path) -> None:
         # a one-micro-batch step has none yet (the model counts them anyway: it is over by them)
         if plan.strategy.micro_batches > 1:
             made += mem["gradients"]
+        if plan.strategy.zero == 2:
+            made += mem["weights"]  # ZeRO-2 counts its weights gathered: all made by this step
         assert measured == pytest.approx(made, rel=0.01), (plan.strategy.zero, plan.strategy.micro_batch)

@@ -9,6 +9,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models.comm import group_link
 from autopar.cost_models.compute import layer_forward_s
 from autopar.cost_models.profile import LayerCost, OpCost
+from autopar.cost_models.terms import HIDDEN
 from autopar.cost_models.tp import collective_time_s, reshard
 from autopar.mesh import Axis
 from autopar.passes.tp_rules import RF
@@ -18,14 +19,21 @@ SIZE = 25_165_824  # one (s, h) bf16 activation of the 22B model: 2048 · 6144 �
 
 
 def test_full_recompute_repeats_forward_collectives_only() -> None:
-    """S1 → Rf is an all-gather forward and a reduce-scatter backward (the conjugate); under full
-    recompute the forward runs twice, so the all-gather counts twice, the reduce-scatter once."""
+    """S1 → Rf is an all-gather forward, and backward gathers the kept shard again (hidden behind
+    the input-gradient GEMM, as Megatron-LM schedules it: counted, no time) before the
+    reduce-scatter (the conjugate); under full recompute the second forward gathers it instead,
+    so the all-gather counts twice, the reduce-scatter once."""
     ag = collective_time_s("all_gather", SIZE, 8, LINK)
     rs = collective_time_s("reduce_scatter", SIZE, 8, LINK)
     once, kinds = reshard("S1", RF, SIZE, 8, LINK)
-    twice, _ = reshard("S1", RF, SIZE, 8, LINK, forward_passes=2)
-    assert kinds == [("all_gather", "forward"), ("reduce_scatter", "backward")]
+    twice, again = reshard("S1", RF, SIZE, 8, LINK, forward_passes=2)
+    assert kinds == [("all_gather", "forward"), ("all_gather", HIDDEN), ("reduce_scatter", "backward")]
+    assert again == [("all_gather", "forward"), ("reduce_scatter", "backward")]
     assert once == pytest.approx(ag + rs) and twice == pytest.approx(2 * ag + rs)
+    # S1 → R gathers forward; a consumer that saves it has it gathered again in backward, one
+    # that does not (an add) leaves backward a local slice
+    assert reshard("S1", "R", SIZE, 8, LINK)[1] == [("all_gather", "forward"), ("all_gather", HIDDEN)]
+    assert reshard("S1", "R", SIZE, 8, LINK, kept=False) == (pytest.approx(ag), [("all_gather", "forward")])
     # R → S1 is a local slice forward and an all-gather of the gradient backward: not repeated
     assert reshard("R", "S1", SIZE, 8, LINK, forward_passes=2)[0] == pytest.approx(ag)
 

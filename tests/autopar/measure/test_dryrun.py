@@ -26,8 +26,8 @@ def _plan(**knobs):
 
 
 def real_worker(rank: int, world: int, init: str, plan_json: str, out: str) -> None:
-    """A real gloo rank: two steps of the plan on real tensors, the second measured as the dry
-    run measures its simulated one; rank 0 writes the figures."""
+    """A real gloo rank: two steps of the plan on real tensors, the second measured as a dry run
+    of two steps measures its simulated one; rank 0 writes the figures."""
     import datetime
 
     import torch.distributed as dist
@@ -67,8 +67,12 @@ def test_simulated_rank_measures_what_the_real_rank_holds(tmp_path) -> None:
             real_worker, args=(4, f"file://{tmp_path}/init{i}", plan.to_json(), str(out)), nprocs=4, join=True
         )
         real = json.loads(out.read_text())
-        simulated = dry_run(make_gpt, plan, 0)
+        simulated, first = dry_run(make_gpt, plan, 0, steps=2), dry_run(make_gpt, plan, 0)
         assert simulated.ok, simulated.failure
+        # the default: the optimizer's state made without a step, the first step measured. It holds
+        # what the second does, plus what a pipeline allocates once and keeps (its receive buffers)
+        assert first.optimizer_bytes == real["optimizer_bytes"]
+        assert simulated.peak_bytes <= first.peak_bytes <= 1.02 * simulated.peak_bytes
         head = plan.text().splitlines()[0]
         print(f"{head}: simulated peak {simulated.peak_bytes:,.0f} B, real {real['peak_bytes']:,.0f} B")
         assert simulated.peak_bytes == pytest.approx(real["peak_bytes"], rel=0.01)
@@ -104,6 +108,41 @@ def test_a_simulated_step_counts_what_zero3_gathers() -> None:
     assert run.collectives["reduce_scatter_base over dp"][1] == pytest.approx(micro * st.dp * shard, rel=0.01)
     assert 0 < run.parameter_bytes < run.peak_bytes
     assert run.optimizer_bytes == pytest.approx(2 * run.parameter_bytes, rel=0.01)  # Adam's m, v (and steps)
+
+
+def test_a_simulated_step_issues_the_tp_collectives_the_cost_model_priced() -> None:
+    """TP2 with sequence parallelism: the all-gathers and reduce-scatters over tp of a simulated
+    step are, call for call and byte for byte, the per-operator layout's priced collectives
+    (``TPLayer.collectives``, per sequence) × layers × micro-batches: the forward gathers before
+    the column-parallel linears, their gathers again in backward (``regather_saved``), the
+    reduce-scatters after the row-parallel ones and the conjugates. A gather is handed this rank's
+    1/t of the tensor, a reduce-scatter all of it."""
+    from autopar import Cluster
+    from autopar.planner.tp_layouts import TPLayouts
+    from tests.conftest import profiles_of
+
+    plan = _plan(tp=2, pp=1, dp=2, zero=3, sequence_parallel=True)
+    st = plan.strategy
+    profiles = profiles_of(make_gpt, dtype="fp32", seq=SEQ)
+    layout = TPLayouts(profiles, Cluster.preset("cpu", gpus_per_node=4), "fp32")(st)
+    assert layout is not None
+    per_type = {layer.type: 0 for layer in profiles.captured(1).layers}
+    for layer in profiles.captured(1).layers:
+        per_type[layer.type] += 1
+    seqs = st.micro_batch * st.micro_batches  # every layer runs once per micro-batch
+    priced = {}
+    for kind, share in (("all_gather", 1 / st.tp), ("reduce_scatter", 1.0)):
+        calls = [(n, b) for name, n in per_type.items() for k, _, b in layout[name].collectives if k == kind]
+        priced[kind] = (
+            sum(n for n, _ in calls) * st.micro_batches,
+            sum(n * b for n, b in calls) * seqs * share,
+        )
+    run = dry_run(make_gpt, plan, 0)
+    assert run.ok, run.failure
+    assert run.collectives["all_gather_into_tensor over tp"] == priced["all_gather"]
+    assert run.collectives["reduce_scatter_tensor over tp"] == priced["reduce_scatter"]
+    # 2 forward gathers, 2 regathers, 2 conjugates and the fused bias's per block: 7 per block
+    assert priced["all_gather"][0] >= 7 * per_type["Block"] * st.micro_batches
 
 
 def test_a_broken_plan_fails_in_one_line() -> None:
@@ -195,7 +234,9 @@ def test_plan_check_dry_runs_the_plan(capsys) -> None:
         "none",
     ]
     assert main([*argv, *fixed, "--check", "--json"]) == 0
-    (checked,) = json.loads(capsys.readouterr().out)["check"]
+    (tried,) = json.loads(capsys.readouterr().out)["check"]
+    assert tried["runner_up"] == 0 and tried["verdict"] == ""
+    (checked,) = tried["ranks"]
     assert checked["fits"] and checked["needs_bytes"] > checked["peak_bytes"] > 0
     over = {**checked, "fits": False, "needs_bytes": 2.0**40}
     line = check_verdict([checked, over], capacity=2.0**33)
@@ -204,3 +245,38 @@ def test_plan_check_dry_runs_the_plan(capsys) -> None:
         and "1.0 TiB with the reserve, over the 8.0 GiB" in line
     )
     assert check_verdict([checked], capacity=2.0**33) == ""
+
+
+def test_plan_check_falls_back_to_a_runner_up_that_passes(capsys, monkeypatch, tmp_path) -> None:
+    """``autopar plan --check K``: when the chosen plan's dry run fails, its runners-up are planned
+    with their knobs pinned and dry-run in order; the first that passes is the plan printed and
+    written. With none left that passes: one line, exit 2, and nothing written."""
+    from pathlib import Path
+
+    import autopar.cli.dryrun as cli_dryrun
+    from autopar.cli import main
+    from autopar.plan import Plan
+
+    real, calls = cli_dryrun.check, []
+
+    def first_fails(args, plan):  # the chosen plan's ranks "do not fit"; the others as dry-run
+        ranks = real(args, plan)
+        calls.append(plan.hash)
+        return [{**r, "fits": False, "needs_bytes": 2.0**50} for r in ranks] if len(calls) == 1 else ranks
+
+    monkeypatch.setattr(cli_dryrun, "check", first_fails)
+    spec = f"{Path(__file__).resolve()}:make_gpt"
+    argv = ["plan", spec, "--cluster", "cpu", "--nodes", "2", "--global-batch", "8", "--seq", str(SEQ)]
+    fixed = ["--tp", "2", "--dp", "2", "--zero", "3", "--dtype", "fp32"]
+    out = tmp_path / "plan.json"
+    assert main([*argv, *fixed, "--check", "2", "--json", "--out", str(out)]) == 0
+    first, second = json.loads(capsys.readouterr().out)["check"]
+    assert first["runner_up"] == 0 and "with the reserve, over the" in first["verdict"]
+    assert second["runner_up"] == 1 and second["verdict"] == ""
+    written = Plan.from_json(out.read_text())
+    assert written.hash == second["hash"] != first["hash"]
+    # K = 1: the chosen plan fails and nothing else is tried
+    calls.clear()
+    other = tmp_path / "none.json"
+    assert main([*argv, *fixed, "--check", "--out", str(other)]) == 2
+    assert "with the reserve, over the" in capsys.readouterr().err and not other.exists()

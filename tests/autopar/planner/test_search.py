@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from autopar import Cluster, Constraints, InfeasibleError, Plan, PlanRequest
+from autopar import AutoparError, Cluster, Constraints, InfeasibleError, Plan, PlanRequest
 from autopar.cli import main
 from autopar.cost_models.estimate import estimate
 from autopar.planner import ModelProfiles, make_plan
@@ -435,3 +435,25 @@ def test_a_deep_interleaved_pipeline_takes_the_even_split_and_its_bound_holds() 
     problem = LayoutProblem(terms, 14, 80e9, allowed)
     cheap, tight = lower_bound_s(problem), tight_bound_s(problem)
     assert cheap <= tight <= best * (1 + 1e-9)
+
+
+def test_proven_runners_up_are_the_fastest_after_the_plan(profile_at) -> None:
+    """``proven_runners_up`` k: the search goes on until no bound beats its k-th runner-up, so its
+    first k runners-up are at least as fast as those met on the way to proving the optimum alone
+    (same plan either way), and k of them exist where the space holds them."""
+    cluster = Cluster.preset("dgx-a100-80g", nodes=2, gpus_per_node=2)
+    times = {}
+    for k in (0, 3):
+        request = PlanRequest(
+            model="tiny", cluster=cluster, global_batch=8, seq=SEQ, top_k=3, proven_runners_up=k
+        )
+        result = make_plan(request, profile_at)
+        times[k] = [
+            result.plan.predicted["step_time_s"],
+            *(c.estimate.step_time_s for c in result.alternatives),
+        ]
+    assert times[3][0] == times[0][0] and len(times[3]) == 4
+    assert all(p <= m * (1 + 1e-9) for p, m in zip(times[3], times[0], strict=False))
+    assert times[3] == sorted(times[3])
+    with pytest.raises(AutoparError, match=r"proven_runners_up must be within 0\.\.top_k"):
+        PlanRequest(model="tiny", cluster=cluster, global_batch=8, seq=SEQ, top_k=1, proven_runners_up=2)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from autopar import Cluster
+from autopar.cost_models.terms import HIDDEN
 from autopar.cost_models.tp import op_memory_bytes, param_numel, param_owners
 from autopar.errors import AutoparError
 from autopar.graph import capture
@@ -76,8 +77,11 @@ def test_megatron_sequence_parallel_layout_emerges(tp: int) -> None:
     # g-bar = reduce-scatter after each row-parallel one …
     assert forward == ["all_gather"] * 2 + ["reduce_scatter"] * 2
     backward = sorted(c.kind for c in choice.collectives if c.phase == "backward")
-    # … their conjugates backward, plus the fused QKV bias's gradient slices gathered
+    # … their conjugates backward, plus the fused QKV bias's gradient slices gathered …
     assert backward == ["all_gather"] * 3 + ["reduce_scatter"] * 2
+    # … and each g's input gathered again for the weight gradient (§4.2.2: the shard is what is
+    # kept), behind the input-gradient GEMM
+    assert [c.kind for c in choice.collectives if c.phase == HIDDEN] == ["all_gather"] * 2
 
 
 def test_collectives_match_the_block_cost_model() -> None:
