@@ -440,6 +440,14 @@ def runs_with_zero(schedule: str, zero: int) -> bool:
     return not (schedule in ZERO_BUBBLE and zero == 3)
 
 
+def runs_with_policies(schedule: str, pp: int) -> bool:
+    """Whether ``schedule`` runs blocks under per-operator recompute policies: not a zero-bubble
+    schedule over pp > 1 (it runs backward twice over each block, input gradients then weight
+    gradients, and torch's selective activation checkpointing replays its saved outputs once:
+    "Trying to backward an extra time", seen in a dry run of Llama 3 405B's plan)."""
+    return not (schedule in ZERO_BUBBLE and pp > 1)
+
+
 def _check_schedule(s: Strategy) -> None:
     """The micro-batch count and layout the pipeline schedule needs (torch's schedules refuse
     the rest)."""
@@ -452,6 +460,13 @@ def _check_schedule(s: Strategy) -> None:
         raise StrategyError(
             f"{s.schedule}: {m} micro-batches are fewer than its 2·pp = {2 * p} chunks; "
             "raise the global batch or lower the micro-batch"
+        )
+    if s.policies and not runs_with_policies(s.schedule, p):
+        names = ", ".join(x.name for x in s.policies)
+        raise StrategyError(
+            f"{s.schedule} cannot run per-operator recompute policies ({names}): "
+            "it runs backward twice over each block and torch's selective checkpointing replays once; "
+            "use --recompute none, selective or full, or another --schedule"
         )
     if not runs_with_zero(s.schedule, s.zero) and s.dp > 1 and p > 1:
         raise StrategyError(

@@ -5,7 +5,7 @@ rank role simulated on this CPU (``autopar dryrun``), its peak next to the cost 
 
 Cases: GPT-3 175B on 1,024 A100s; Llama-3 405B on 16,384 H100s under the interleaved zero-bubble
 and the interleaved 1F1B schedules; DeepSeek-V3 on 2,048 H100s (expert parallel); Llama-3 8B on
-8 H100s with per-operator recompute policies only; GPT-2 XL (tied embedding and head) under PP2 ×
+8 H100s with per-operator recompute policies only; GPT-2 large (tied embedding and head) under PP2 ×
 HSDP (2 replicas × 2 shards) × TP2. Each plan's runners-up are planned again with their knobs
 pinned (``request.pinned``) and dry-run the same way.
 
@@ -31,6 +31,7 @@ from typing import Any
 from autopar import Cluster, PlanRequest
 from autopar.planner import ModelProfiles, make_plan
 from autopar.request import Constraints, pinned
+from autopar.zoo.registry import model_seq
 
 ROLE_S, RSS_GIB, RATIO = 60.0, 24.0, 0.05
 
@@ -53,8 +54,8 @@ CASES = (
     Case("deepseek-v3", "deepseek-v3-671b", "dgx-h100", 256, 15360, 4096),
     Case("llama3-8b-sac", "llama3-8b", "dgx-h100", 1, 32, 8192, {"recompute": ("sac",)}),
     Case(
-        "gpt2-xl-tied",
-        "gpt2-xl",
+        "gpt2-large-tied",
+        "gpt2-large",
         "dgx-a100-80g",
         2,
         64,
@@ -71,7 +72,7 @@ def plans_of(case: Case, top: int) -> list[Any]:
         model=case.model,
         cluster=cluster,
         global_batch=case.global_batch,
-        seq=case.seq,
+        seq=model_seq(case.model, case.seq),
         constraints=Constraints(**case.fixed),
         top_k=max(top - 1, 1),
         proven_runners_up=top - 1,  # the next fastest, proven, as ``autopar plan --check`` tries them
@@ -134,9 +135,9 @@ def main() -> int:
                 rows.append(row)
                 ok &= _report(row)
             ok &= rss <= RSS_GIB
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            if args.json:  # after every plan: a long run interrupted keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
     return 0 if ok else 1
 
 

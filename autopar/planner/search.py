@@ -36,6 +36,7 @@ from typing import Any
 
 from autopar.cluster import Cluster
 from autopar.cost_models.estimate import Estimate
+from autopar.errors import AutoparError
 from autopar.planner.bounds import lower_bound_s, tight_bound_s
 from autopar.planner.comm_knobs import comm_knobs
 from autopar.planner.layout_ilp import LayoutProblem, fits_somehow, solve_layout
@@ -43,7 +44,7 @@ from autopar.planner.pricing import Pricer
 from autopar.planner.recompute_ilp import recompute_choices
 from autopar.recompute_policy import RECOMPUTE, RecomputePolicy
 from autopar.request import Constraints, PlanRequest
-from autopar.strategy import V_SHAPE, Strategy, fewest_blocks, remat, runs_with_zero
+from autopar.strategy import V_SHAPE, Strategy, fewest_blocks, remat, runs_with_policies, runs_with_zero
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,7 +218,8 @@ def outer_knobs(
                 out.extend(
                     fixed
                     | {"grad_reduce": reduce, "dp_replicate": replicas, "powersgd_rank": rank}
-                    | {"bucket_mb": bucket, "compile": compiled, "policies": policies}
+                    | {"bucket_mb": bucket, "compile": compiled}
+                    | {"policies": policies if runs_with_policies(schedule, pp) else ()}
                     for reduce, replicas, rank, bucket in comm_knobs(
                         request, tp=tp, pp=pp, dp=dp, zero=zero, ep=ep
                     )
@@ -357,8 +359,9 @@ def _priced(
             if but_ep in crowded:
                 continue  # a wider ep of it fits nothing: neither does this one
             st = Strategy(**variant)
-            problem = LayoutProblem(pricer.terms(st), blocks, capacity, allowed)
-            if not fits_somehow(problem):
+            mine = tuple(r for r in allowed if r in st.choices)  # no policies under a zero-bubble pipeline
+            problem = LayoutProblem(pricer.terms(st), blocks, capacity, mine)
+            if not mine or not fits_somehow(problem):
                 infeasible.append(st)
                 crowded.add(but_ep)
                 continue
@@ -380,6 +383,11 @@ def _candidates(request: PlanRequest, pricer: Pricer) -> tuple[tuple[str, ...], 
     c, base = request.constraints, pricer.profiles.base
     wants = any(r not in RECOMPUTE for r in c.recompute)  # per-operator policies allowed
     allowed, policies = recompute_choices(c.recompute, pricer.policies if wants else ())
+    if c.schedule is not None and not runs_with_policies(c.schedule, 2) and not set(allowed) & set(RECOMPUTE):
+        raise AutoparError(
+            f"--schedule {c.schedule} cannot run per-operator recompute policies (it runs backward twice "
+            "over each block; torch's selective checkpointing replays once): allow none, selective or full"
+        )
     knobs = outer_knobs(
         request, blocks=base.blocks, heads=base.heads, policies=policies, experts=base.experts
     )
@@ -428,10 +436,10 @@ def _leanest(
     """For the error message: (peak memory, strategy) of the leanest even split of each outer
     choice, leanest first."""
     leanest = []
-    # full, else the leanest policy allowed (policies are listed leanest first)
-    lean_choice = next((r for r in ("full", *allowed) if r in allowed and remat(r)), None)
     for st in infeasible:
-        lean = replace(st, recompute=lean_choice or st.recompute)
+        # full, else the leanest policy allowed (policies are listed leanest first) that st runs
+        mine = [r for r in ("full", *allowed) if r in allowed and r in st.choices and remat(r)]
+        lean = replace(st, recompute=mine[0] if mine else st.recompute)
         est = pricer.estimate(lean)
         leanest.append((max(mm.peak_bytes for mm in est.memory), lean))
     return sorted(leanest, key=lambda x: x[0])

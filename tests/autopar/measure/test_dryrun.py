@@ -280,3 +280,30 @@ def test_plan_check_falls_back_to_a_runner_up_that_passes(capsys, monkeypatch, t
     other = tmp_path / "none.json"
     assert main([*argv, *fixed, "--check", "--out", str(other)]) == 2
     assert "with the reserve, over the" in capsys.readouterr().err and not other.exists()
+
+
+def test_per_operator_recompute_runs_off_zero_bubble_and_is_refused_on_it() -> None:
+    """torch's selective activation checkpointing replays a block's saved outputs once, and a
+    zero-bubble schedule runs backward twice over each block (input, then weight gradients):
+    "Trying to backward an extra time" on every rank of such a plan (Llama 3 405B's ZB plan
+    carried one sac1 block per stage). Under 1F1B a policy plan dry-runs; a zero-bubble plan may
+    not carry policies, and asking for one with policies only is one line."""
+    from dataclasses import replace
+
+    from autopar.errors import AutoparError, StrategyError
+    from autopar.strategy import check_strategy
+
+    sac = plan_for(make_gpt, batch=BATCH, seq=SEQ, micro_batch=1, tp=1, pp=2, dp=1, recompute=("sac",))
+    assert sac.strategy.policies and all(s.recompute_summary.startswith("2 sac") for s in sac.stages)
+    for rank, role in rank_roles(sac):
+        run = dry_run(make_gpt, sac, rank)
+        assert run.ok, (role, run.failure)
+    zbv = replace(sac.strategy, schedule="zbv", virtual_stages=2, layout=())
+    with pytest.raises(StrategyError, match="zbv cannot run per-operator recompute policies"):
+        check_strategy(zbv, world_size=2, blocks=4, heads=4)
+    with pytest.raises(AutoparError, match="--schedule zbv cannot run per-operator recompute policies"):
+        plan_for(make_gpt, batch=BATCH, seq=SEQ, micro_batch=1, pp=2, schedule="zbv", recompute=("sac",))
+    zb = plan_for(
+        make_gpt, batch=BATCH, seq=SEQ, micro_batch=1, pp=2, schedule="zbv", recompute=("sac", "full")
+    )
+    assert not zb.strategy.policies and all(s.recompute_summary == "2 full" for s in zb.stages)

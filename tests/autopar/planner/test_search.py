@@ -19,7 +19,7 @@ from autopar.planner.recompute_ilp import frontier, recompute_choices
 from autopar.planner.search import outer_strategies
 from autopar.planner.tp_layouts import TPLayouts
 from autopar.recompute_policy import RECOMPUTE
-from autopar.strategy import SCHEDULES, Strategy
+from autopar.strategy import SCHEDULES, Strategy, runs_with_policies
 from autopar.zoo import GPT, GPTConfig
 
 LAYERS, SEQ = 4, 128
@@ -92,9 +92,11 @@ def brute_force(
         space |= set(outer_strategies(request, blocks=blocks, heads=4, experts=experts))
     # the per-operator policies the planner finds, each enumerated like none, selective and full
     allowed, policies = recompute_choices(c.recompute, frontier(profile_at.base, cluster, "bf16"))
-    for st in (replace(v, policies=policies) for s in space for v in layouts.variants(s)):
+    # (none under a zero-bubble pipeline: torch's selective checkpointing replays once)
+    for v in (v for s in space for v in layouts.variants(s)):
+        st = replace(v, policies=policies if runs_with_policies(v.schedule, v.pp) else ())
         prof = profile_at.at(st.micro_batch)
-        for layout in _layouts(blocks, st, allowed, st.choices):
+        for layout in _layouts(blocks, st, tuple(r for r in allowed if r in st.choices), st.choices):
             chosen = replace(st, layout=layout)
             est = estimate(prof, cluster, chosen, reserve_bytes=c.reserve_bytes, tp_layout=layouts(st))
             if all(m.peak_bytes <= capacity for m in est.memory):
