@@ -70,7 +70,7 @@ class _Gathered:
         the collective fills a fresh buffer laid out as the first one was."""
         if self.full is None:
             out = waited(funcol.all_gather_tensor(self.shard, gather_dim=self.dim, group=self.group))
-            self.full = out if out._base is None else out._base
+            self.full = _buffer(out)
         return self.full.as_strided(size, stride, offset)
 
 

@@ -151,8 +151,10 @@ def check_top(
             plan = make_plan(pinned(request, alt.strategy), profiles).plan
         ranks = check(args, plan)
         verdict = check_verdict(ranks, plan.predicted["memory_capacity_bytes"])
-        tried.append({"runner_up": i, "hash": plan.hash, "strategy": plan.strategy.to_dict(), "ranks": ranks})
-        tried[-1]["verdict"] = verdict
+        strategy = plan.strategy.to_dict()
+        tried.append(
+            {"runner_up": i, "hash": plan.hash, "strategy": strategy, "ranks": ranks, "verdict": verdict}
+        )
         if not verdict:
             return plan, tried
     first = tried[0]["verdict"]

@@ -126,15 +126,13 @@ class PeakMode(TorchDispatchMode):
         self.live -= self.sizes.pop(key, 0)
 
     def _track(self, storage: torch.UntypedStorage) -> None:
+        """Count ``storage`` at its size of the moment (a new one until it is freed)."""
         key, nbytes = storage._cdata, storage.nbytes()
-        if key in self.sizes:
-            self.live += nbytes - self.sizes[key]
-            self.sizes[key] = nbytes
-            return
+        if key not in self.sizes:
+            freed = weakref.finalize(storage, self._freed, key)
+            freed.atexit = False  # a count, nothing to release at exit
+        self.live += nbytes - self.sizes.get(key, 0)
         self.sizes[key] = nbytes
-        self.live += nbytes
-        freed = weakref.finalize(storage, self._freed, key)
-        freed.atexit = False  # a count, nothing to release at exit
         self.peak = max(self.peak, self.live)
 
     def __enter__(self) -> Self:
@@ -144,7 +142,6 @@ class PeakMode(TorchDispatchMode):
             out = resize(storage, size)
             if storage._cdata in mode.sizes or size > 0:
                 mode._track(storage)
-                mode.peak = max(mode.peak, mode.live)
             return out
 
         self._resize = resize
@@ -163,7 +160,6 @@ class PeakMode(TorchDispatchMode):
             if storage._cdata in read or storage._cdata in self.sizes:  # a view, in place, a second output
                 continue
             self._track(storage)
-        self.peak = max(self.peak, self.live)
         return out
 
 

@@ -383,7 +383,8 @@ def _candidates(request: PlanRequest, pricer: Pricer) -> tuple[tuple[str, ...], 
     c, base = request.constraints, pricer.profiles.base
     wants = any(r not in RECOMPUTE for r in c.recompute)  # per-operator policies allowed
     allowed, policies = recompute_choices(c.recompute, pricer.policies if wants else ())
-    if c.schedule is not None and not runs_with_policies(c.schedule, 2) and not set(allowed) & set(RECOMPUTE):
+    pipelined = c.schedule is not None and not runs_with_policies(c.schedule, c.pp or 2)  # any pp > 1
+    if pipelined and not set(allowed) & set(RECOMPUTE):
         raise AutoparError(
             f"--schedule {c.schedule} cannot run per-operator recompute policies (it runs backward twice "
             "over each block; torch's selective checkpointing replays once): allow none, selective or full"

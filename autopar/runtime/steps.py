@@ -238,10 +238,10 @@ def apply_compile(stages: Stages, plan: Plan) -> None:
 
 
 def apply_regather(stages: Stages, plan: Plan) -> None:
-    """tp > 1: each stage's forward runs under ``regather_saved``, so a column-parallel input
-    gathered from shards (sequence parallelism) is kept as this rank's shard and gathered again in
-    backward (``passes.tp_collectives``), as ``cost_models.recompute.kept_bytes`` and
-    ``cost_models.tp.reshard`` price it."""
+    """tp > 1: each stage's forward runs under ``regather_saved``, so a tensor gathered from
+    shards (sequence parallelism's column-parallel inputs) is kept as this rank's shard and gathered
+    again in backward (``passes.tp_collectives``), as ``cost_models.memory.layer_activation_bytes``
+    (÷ t under SP) and ``cost_models.tp.reshard`` price it."""
     if stages.gm is None or plan.strategy.tp == 1:
         return
     from autopar.passes.tp_collectives import regather_saved
