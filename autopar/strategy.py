@@ -255,6 +255,12 @@ class Strategy:
         ZeRO 0–1, dp > 1; every other data-parallel plan runs on FSDP2)."""
         return runs_on_ddp(tp=self.tp, pp=self.pp, dp=self.dp, zero=self.zero, ep=self.ep)
 
+    @property
+    def uses_fsdp(self) -> bool:
+        """Whether the data-parallel axis runs on FSDP2 (dp > 1 but not DDP's plans): it shards
+        the optimizer's states at every ZeRO stage (``runtime.sharding``)."""
+        return self.dp > 1 and not self.uses_ddp
+
     @cached_property
     def dims(self) -> ParallelDims:
         """The mesh these degrees lay out: its axes, strides and rank coordinates."""

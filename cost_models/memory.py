@@ -75,27 +75,75 @@ def inflight_stage_copies(schedule: str, *, stage: int, pp: int, micro_batches: 
     return (warmup + 1) / virtual
 
 
+def deferred_grad_bytes(layer: LayerCost, *, tp: int, sp: bool) -> float:
+    """Bytes of one layer's weight-op output gradients per micro-batch on one GPU: what torch's
+    split backward keeps from a chunk's input-gradient pass (I) to its weight-gradient pass (W)
+    beyond the saved activations (``stage_backward_input`` keeps the gradient reaching each
+    op that meets a parameter and an activation, ``param_groups``, for ``stage_backward_weight``).
+    A GPT block: its two norms' and four linears' outputs, (1 + 1 + 3 + 1 + 4 + 1)·b·s·h
+    elements; under TP the column-parallel ones ÷t, the row-parallel partial sums whole, the
+    norms' ÷t with SP (``LayerCost.weight_out_bytes``)."""
+    stream, whole, sharded = layer.weight_out_bytes
+    return stream / (tp if sp else 1) + whole + sharded / tp
+
+
+def deferred_stage_copies(
+    schedule: str, *, stage: int, pp: int, micro_batches: int, virtual: int, ratio: float
+) -> tuple[float, float]:
+    """(activations, deferred gradients) of a stage that rank ``stage`` holds at its peak, each in
+    micro-batches' worth of the stage, where one chunk's deferred gradients
+    (``deferred_grad_bytes``) weigh ``ratio`` × its activations.
+
+    A zero-bubble schedule keeps a chunk's deferred gradients from its I to its W; the first
+    chunk's I computes nothing (torch runs its whole backward at W). In torch's orders
+    (``pipeline.simulate_orders``, checked in the tests): interleaved-zb rank i peaks holding p
+    stages' activations with i + 1 chunks past I (i on the first rank at one chunk per rank);
+    ZBV peaks either at 2p chunks with one past I, or later on the V's far side at p + i chunks
+    with 2i + 1 past I, whichever weighs more (exact from 2p micro-batches); DualPipeV's peak
+    (2p + 1 chunks) has none past I. Every other schedule defers nothing
+    (``inflight_stage_copies``)."""
+    held = inflight_stage_copies(schedule, stage=stage, pp=pp, micro_batches=micro_batches, virtual=virtual)
+    if schedule == "interleaved-zb":
+        return held, (stage + 1 - (virtual == 1 and stage == 0)) / virtual
+    if schedule == "zbv":
+        return max((held, 0.5), ((pp + stage) / 2, stage + 0.5), key=lambda c: c[0] + ratio * c[1])
+    return held, 0.0
+
+
 PIPELINE_GRAD_BYTES = 4
 """Bytes per gradient element FSDP2 accumulates unsharded across a pipeline step (fp32)."""
+
+
+FP32_SHARD_BYTES = 4
+"""Bytes per parameter of FSDP2's sharded fp32 parameter, kept beside the gathered copy while the
+weights stay gathered (ZeRO 0–2, or any stage under a pipeline). Mixed precision counts it in
+``STATE_BYTES``' K (the master weight); fp32 training has no master apart from the weights."""
 
 
 def rank_state_bytes(params: float, st: Strategy, *, shard: int | None = None) -> dict[str, float]:
     """Weights, gradients and optimizer states at the peak of a GPU holding ``params``.
 
-    ``model_state_bytes`` (ZeRO), except ZeRO-2/3 under a pipeline (pp > 1):
+    ``model_state_bytes`` (ZeRO), except FSDP2 under a pipeline (pp > 1):
     ``torch.distributed.pipelining`` runs every backward but the step's last with FSDP2's
     gradient sync and reshard-after-backward off (``_PipelineStageBase.backward_maybe_with_nosync``),
     so each GPU accumulates its stage's gradients unsharded, upcast to the fp32 reduce dtype
     (``FSDPParam.to_accumulated_grad_if_needed``: 4 B each), and keeps the gathered weights
-    (w B each) from its first backward to the end of the step. PowerSGD adds its error feedback
+    (w B each) from its first backward to the end of the step. A plan that runs on FSDP2 (every
+    data-parallel plan but DDP's, ``Strategy.uses_ddp``) has its optimizer states sharded at any
+    ZeRO stage and, in fp32, the sharded weights beside the gathered ones (``FP32_SHARD_BYTES``;
+    measured: a tiny Llama's ZeRO-2 rank, ``autopar dryrun``). PowerSGD adds its error feedback
     to the gradients' bytes. ``shard``: the ranks ZeRO shards over, if not ``Strategy.dp_shard``
     (routed experts under expert parallelism: dp / ep).
     """
     dp = st.dp_shard if shard is None else shard  # HSDP: ÷ its group
     states = model_state_bytes(params, zero=st.zero, dp=dp, dtype=st.dtype)
-    if st.pp > 1 and st.zero >= 2 and st.dp > 1:
+    if st.pp > 1 and st.uses_fsdp:
         states["weights"] = params * STATE_BYTES[st.dtype][0]
         states["gradients"] = params * PIPELINE_GRAD_BYTES
+    if st.uses_fsdp:  # FSDP2 (``runtime.sharding``) shards what ZeRO 0–1 would not
+        states["optimizer"] = params * STATE_BYTES[st.dtype][2] / dp
+        if st.dtype == "fp32" and (st.zero < 3 or st.pp > 1):
+            states["weights"] += params * FP32_SHARD_BYTES / dp
     if st.powersgd_rank:  # its error-feedback buffer (compression.POWERSGD_STATE_BYTES_PER_PARAM)
         states["gradients"] += params * POWERSGD_STATE_BYTES_PER_PARAM
     return states

@@ -50,7 +50,11 @@ def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile
             matrix_sides=a.matrix_sides,
             experts=a.experts,
             expert_params=a.expert_params,
+            tied_params=a.tied_params,
             a2a_bytes=lin(a.a2a_bytes, c.a2a_bytes),
+            weight_out_bytes=tuple(
+                lin(x, y) for x, y in zip(a.weight_out_bytes, c.weight_out_bytes, strict=True)
+            ),  # type: ignore[arg-type]
         )
     return dataclasses.replace(one, micro_batch=b, layer_types=types)
 

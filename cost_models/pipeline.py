@@ -114,16 +114,24 @@ def torch_orders(schedule: str, *, pp: int, virtual: int, micro_batches: int) ->
 
 
 def simulate_orders(
-    orders: Sequence[Sequence[Action]], *, fwd_s: float, bwd_input_s: float, wgrad_s: float, chunks: int
-) -> tuple[float, list[int]]:
+    orders: Sequence[Sequence[Action]],
+    *,
+    fwd_s: float,
+    bwd_input_s: float,
+    wgrad_s: float,
+    chunks: int,
+    deferred_ratio: float = 0.0,
+) -> tuple[float, list[float]]:
     """(makespan, peak chunk activations held per rank) of running ``orders`` with one chunk's
     times, sends instant: F(c) waits for F(c − 1), a backward of c for the backward of c + 1 (the
     last chunk's for its own F), W for its I. A chunk's activations are held from its F to its
-    W (or whole backward)."""
+    W (or whole backward); with ``deferred_ratio`` r a chunk past its I but not its W weighs
+    1 + r (its deferred weight-op gradients, ``memory.deferred_grad_bytes``), but the first
+    chunk, whose I computes nothing."""
     duration = {"F": fwd_s, "I": bwd_input_s, "B": bwd_input_s + wgrad_s, "W": wgrad_s}
     done: dict[tuple[str, int, int], float] = {}
     free, pos = [0.0] * len(orders), [0] * len(orders)
-    held, peak = [0] * len(orders), [0] * len(orders)
+    held, deferred, peak = [0] * len(orders), [0] * len(orders), [0.0] * len(orders)
     while any(pos[r] < len(order) for r, order in enumerate(orders)):
         progressed = False
         for r, order in enumerate(orders):
@@ -135,7 +143,8 @@ def simulate_orders(
                 free[r] = max(free[r], done[dep] if dep is not None else 0.0) + duration[kind]
                 done[("B" if kind == "I" else kind, c, i)] = free[r]
                 held[r] += (kind == "F") - (kind in ("W", "B"))
-                peak[r] = max(peak[r], held[r])
+                deferred[r] += ((kind == "I") - (kind == "W")) * (c > 0)
+                peak[r] = max(peak[r], held[r] + deferred_ratio * deferred[r])
                 pos[r] += 1
                 progressed = True
         assert progressed, "the schedule's order deadlocks"

@@ -104,6 +104,15 @@ class LayerCost:
     """Saved activations of the experts' rows (the nodes from the rows' first grouped matmuls to
     the last, ``graph.experts.row_region``), apart from the three above: no TP rule splits them
     (every TP rank runs the experts whole), and the busiest EP rank holds its skew × of them."""
+    tied_params: int = 0
+    """Parameters the layer reads that an earlier layer owns (a head tied to the embedding): not
+    in ``params``; a pipeline rank holding this layer without the owner holds its own copy."""
+    weight_out_bytes: tuple[int, int, int] = (0, 0, 0)
+    """Bytes of the outputs of the ops that meet a parameter and an activation (a linear's, a
+    norm's), by how tensor parallelism splits them (``CallCost.placement``: stream, whole,
+    sharded). Torch's split backward keeps their gradients from a pipeline chunk's input-gradient
+    pass to its weight-gradient pass (``stage_backward_input``'s ``param_groups``): what a
+    zero-bubble schedule holds beyond the saved activations (``memory.deferred_grad_bytes``)."""
     a2a_bytes: int = 0
     """Bytes of the rows entering the experts' first grouped matmul plus those leaving the last,
     per forward: what expert parallelism's dispatch and combine all-to-alls carry (k·b·s·h each
@@ -198,6 +207,7 @@ class ModelProfile:
                     "ops": tuple(OpCost(**op) for op in lc["ops"]),
                     "fused_ops": tuple(OpCost(**op) for op in lc["fused_ops"]),
                     "calls": tuple(CallCost(**c) for c in lc["calls"]),
+                    "weight_out_bytes": tuple(lc.get("weight_out_bytes", (0, 0, 0))),
                 }
             )
             for name, lc in d["layer_types"].items()
@@ -298,8 +308,7 @@ def _layer_cost(
 ) -> LayerCost:
     """One layer type's costs; ``rows``: the graph's expert row regions (their saved bytes are
     kept apart, ``LayerCost.saved_expert_bytes``)."""
-    ops, stream_b, sharded_b, quad_b, quad_f, tp_bytes, tp_count = [], 0, 0, 0, 0, 0, 0
-    expert_b = 0
+    ops, stream_b, sharded_b, quad_b, quad_f, tp_bytes, tp_count, expert_b = [], 0, 0, 0, 0, 0, 0, 0
     placements: list[tuple[fx.Node, str]] = []
     for n in members:
         if n.op != "call_function":
@@ -342,21 +351,23 @@ def _layer_cost(
         quadratic_flops=quad_f,
         tp_reduce_bytes=tp_bytes,
         tp_reduce_count=tp_count,
+        weight_out_bytes=_weight_out_bytes(placements),
         fused_ops=fusion_groups(members, h),
         calls=_calls(placements),
-        **_matrices(members),
+        **_parameters(members),
         **experts,
     )
 
 
-def _matrices(members: list[fx.Node]) -> dict[str, int]:
+def _parameters(members: list[fx.Node]) -> dict[str, int]:
     """``LayerCost.matrix_params`` and ``matrix_sides`` of a layer's parameters (its get_attr
-    nodes that read parameter bytes)."""
+    nodes that read parameter bytes), and its ``tied_params``."""
     shapes = [shape_of(n) for n in members if n.op == "get_attr" and n.meta.get("autopar.param_bytes")]
     matrices = [sh for sh in shapes if len(sh) >= 2]
     return {
         "matrix_params": sum(math.prod(sh) for sh in matrices),
         "matrix_sides": sum(sh[0] + math.prod(sh[1:]) for sh in matrices),
+        "tied_params": sum(numel(shape_of(n)) for n in _tied(members).values()),
     }
 
 
@@ -429,3 +440,46 @@ def _sharded_input(n: fx.Node, h: int) -> bool:
 
 def _reads_weight(n: fx.Node) -> bool:
     return any(a.op == "get_attr" for a in n.all_input_nodes)
+
+
+def _tied(members: list[fx.Node]) -> dict[str, fx.Node]:
+    """The parameters the layer's operations read that an earlier layer's read too
+    (``LayerCost.tied_params``; the earliest reader owns them), by name."""
+    out = {}
+    for n in members:
+        if n.op != "call_function":
+            continue
+        here = n.meta.get("autopar.layer", 0)
+        for a in n.all_input_nodes:
+            if _is_parameter(a) and any(u.meta.get("autopar.layer", here) < here for u in a.users):
+                out[str(a.target)] = a
+    return out
+
+
+def _weight_out_bytes(placements: list[tuple[fx.Node, str]]) -> tuple[int, int, int]:
+    """``LayerCost.weight_out_bytes``: (stream, whole, sharded) bytes of the outputs of the
+    layer's nodes that meet a parameter and an activation."""
+    out = dict.fromkeys(("stream", "whole", "sharded"), 0)
+    for n, where in placements:
+        if _meets_parameter(n):
+            out[where] += numel(shape_of(n)) * node_elem_bytes(n)
+    return out["stream"], out["whole"], out["sharded"]
+
+
+def _meets_parameter(n: fx.Node) -> bool:
+    """Does ``n`` read a parameter and an activation (``LayerCost.weight_out_bytes``): the node
+    torch's ``get_param_groups`` takes as a parameter group's intermediate."""
+    inputs = n.all_input_nodes
+    return any(_is_parameter(a) for a in inputs) and any(a.op != "get_attr" for a in inputs)
+
+
+def _is_parameter(n: fx.Node) -> bool:
+    """A get_attr of a parameter (a tied one too, whose bytes the first reader counts), not a
+    buffer."""
+    if n.op != "get_attr":
+        return False
+    if n.meta.get("autopar.param_bytes"):
+        return True
+    module = n.graph.owning_module
+    names = dict(module.named_parameters(remove_duplicate=False)) if module is not None else {}
+    return str(n.target) in names

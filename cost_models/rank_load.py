@@ -25,6 +25,8 @@ class RankLoad:
     and the root of each pipeline chunk holding the embedding or the head (one root when a single
     chunk holds both: ``runtime.sharding.shard_over_dp``)."""
     act_bytes: float
+    deferred_bytes: float
+    """Σ ``Unit.deferred_bytes``: weight-op gradients a zero-bubble schedule keeps from I to W."""
     rematerialises: bool
     """A block of the rank is checkpointed whole (full or a per-operator policy): its backward
     rebuilds one block's activations at a time."""
@@ -70,6 +72,7 @@ def rank_load(terms: Terms, rank: int, counts: tuple[int, ...]) -> RankLoad:
         params=sum(u.params * n for u, n in units),
         zero_units=sum(counts) + edge_units(terms.strategy, rank),
         act_bytes=sum(u.act_bytes * n for u, n in units),
+        deferred_bytes=sum(u.deferred_bytes * n for u, n in units),
         rematerialises=any(n for r, n in zip(terms.strategy.choices, counts, strict=True) if remat(r)),
         ep_s=sum(u.ep_s * n for u, n in units),
         expert_params=sum(u.expert_params * n for u, n in units),
@@ -84,7 +87,7 @@ def optimizer_s(terms: Terms, load: RankLoad) -> float:
 
 def rank_memory_terms(terms: Terms, rank: int, load: RankLoad) -> dict[str, float]:
     """Peak memory of a rank by cause (bytes)."""
-    acts = terms.inflight[rank] * load.act_bytes
+    acts = terms.held_bytes(rank, load.act_bytes, load.deferred_bytes)
     if load.rematerialises:
         acts += terms.block["none"].act_full_bytes
     st = terms.strategy

@@ -83,6 +83,9 @@ class Unit:
     expert_params: float = 0.0
     """Routed-expert parameters on this GPU under expert parallelism (ep > 1: E/ep experts'),
     part of ``params``; their states shard over the dp / ep ranks holding the same experts."""
+    deferred_bytes: float = 0.0
+    """Weight-op output gradients a zero-bubble schedule keeps from a chunk's I to its W
+    (``memory.deferred_grad_bytes``)."""
 
     @property
     def compute_s(self) -> float:
@@ -114,6 +117,8 @@ class Terms:
     """Point-to-point per micro-batch on every rank (2v sends when pp > 1)."""
     inflight: tuple[float, ...]
     """Micro-batches of activations each rank holds at peak."""
+    deferred: tuple[float, ...]
+    """Micro-batches of deferred weight gradients held at that peak (``memory.deferred_stage_copies``)."""
     bubble_rounds: float
     """The schedule's bubble in micro-batch times of a rank (``pipeline.bubble_rounds``, at a
     block's ratio of forward, input-gradient and weight-gradient time)."""
@@ -160,6 +165,11 @@ class Terms:
     terms of model states (ZeRO shards it over the dp/ep ranks holding the same experts, not
     over dp), the optimizer and the DP gradient reduction (over those dp/ep ranks):
     ``cost_models.experts.expert_factors``."""
+
+    def held_bytes(self, rank: int, act_bytes: Any, deferred_bytes: Any) -> Any:
+        """Rank ``rank``'s peak activations and deferred gradients from per-micro-batch bytes of
+        its layers (``Unit.act_bytes``, ``Unit.deferred_bytes``). Linear, for the ILP too."""
+        return self.inflight[rank] * act_bytes + self.deferred[rank] * deferred_bytes
 
     def weighted(self, params: Any, expert: Any, term: str) -> Any:
         """``params`` (of which ``expert`` are local expert parameters) as dense parameters for
@@ -362,6 +372,8 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     )
     experts = lc.expert_params / st.ep  # E/ep experts whole on the rank (TP replicates them)
     dense = (lc.params - lc.expert_params) / t if chosen is None else chosen.local_params - lc.expert_params
+    if name == "head" and st.head_rank != 0:  # its own copy of a tied embedding (÷ t: vocab-parallel)
+        dense += lc.tied_params / t
     params = dense + experts
     tokens = st.micro_batch * st.seq
     return Unit(
@@ -375,6 +387,7 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
         ep_s=ep_fwd * (2 if whole_block else 1) + ep_bwd,
         expert_params=experts if st.ep > 1 else 0.0,
         act_bytes=act,
+        deferred_bytes=mem.deferred_grad_bytes(lc, tp=t, sp=sp),
         act_full_bytes=mem.layer_activation_bytes(
             lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes, expert_skew=skew(st)
         ),
@@ -447,6 +460,11 @@ def build_terms(
     pp_link = comm.group_link(cluster, st.dims.axis("pp"))
     dp_link = comm.group_link(cluster, st.dims.axis("dp"))
     rank_params = (profile.blocks * blocks["none"].params + embed.params + head.params) / p  # DDP: p = 1
+    ratio = blocks["none"].deferred_bytes / max(blocks["none"].act_bytes, 1.0)  # a block's G / A
+    held = [
+        mem.deferred_stage_copies(st.schedule, stage=r, pp=p, micro_batches=m, virtual=v, ratio=ratio)
+        for r in range(p)
+    ]
     return Terms(
         strategy=st,
         block=blocks,
@@ -454,15 +472,14 @@ def build_terms(
         head=head,
         block_type=block_type,
         p2p_s=2 * v * comm.p2p_time_s(p2p_bytes, pp_link) if p > 1 else 0.0,
-        inflight=tuple(
-            mem.inflight_stage_copies(st.schedule, stage=r, pp=p, micro_batches=m, virtual=v)
-            for r in range(p)
-        ),
+        inflight=tuple(a for a, _ in held),
+        deferred=tuple(d for _, d in held),
         bubble_rounds=_bubble_rounds(st, blocks["none"]),
         state_bytes_per_param=mem.state_bytes_per_param(st),
         weight_bytes=mem.STATE_BYTES[st.dtype][0],
         **dp_terms(profile, cluster, st, blocks["none"].params, rank_params),
-        opt_s_per_param=optimizer_s_per_param(cluster, st) / (st.dp_shard if st.zero >= 1 else 1)
+        opt_s_per_param=optimizer_s_per_param(cluster, st)
+        / (st.dp_shard if st.zero >= 1 or st.uses_fsdp else 1)
         + compress_s_per_param(cluster, st),
         loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq, vocab=profile.vocab, tp=t),
         buffers=mem.comm_buffer_bytes(

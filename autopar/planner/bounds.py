@@ -61,6 +61,7 @@ def _step_s(terms: Terms, blocks: int, allowed: tuple[str, ...], stage_s: float)
         params=params / st.pp,
         zero_units=(blocks + (1 if st.pp == 1 else 2)) // st.pp,  # the roots with the edges
         act_bytes=0.0,
+        deferred_bytes=0.0,
         rematerialises=False,
         expert_params=experts,
     )

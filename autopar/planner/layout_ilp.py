@@ -55,7 +55,9 @@ def rank_budgets_bytes(terms: Terms, capacity: float) -> list[float]:
     st = terms.strategy
     budgets = [capacity - b - terms.reserve_bytes for b in terms.buffers]
     for edge, k in ((terms.embed, 0), (terms.head, st.head_rank)):
-        budgets[k] -= edge.params * terms.state_bytes_per_param + terms.inflight[k] * edge.act_bytes
+        budgets[k] -= edge.params * terms.state_bytes_per_param + terms.held_bytes(
+            k, edge.act_bytes, edge.deferred_bytes
+        )
     budgets[st.head_rank] -= terms.loss_bytes
     return budgets
 
@@ -65,7 +67,7 @@ def block_bytes(terms: Terms, rank: int, recompute: str) -> float:
     activations times the micro-batches in flight there."""
     u = terms.block[recompute]
     states = terms.weighted(u.params, u.expert_params, "state") * terms.state_bytes_per_param
-    return states + terms.inflight[rank] * u.act_bytes
+    return states + terms.held_bytes(rank, u.act_bytes, u.deferred_bytes)
 
 
 def rank_max_blocks(
@@ -78,8 +80,8 @@ def rank_max_blocks(
     states = terms.weighted(u.params, u.expert_params, "state") * terms.state_bytes_per_param
     rebuilt = u.act_full_bytes if remat(recompute) else 0.0  # its backward rebuilds one block
     out = []
-    for budget, inflight in zip(budgets or rank_budgets_bytes(terms, capacity), terms.inflight, strict=True):
-        per_block = states + inflight * u.act_bytes
+    for k, budget in enumerate(budgets or rank_budgets_bytes(terms, capacity)):
+        per_block = states + terms.held_bytes(k, u.act_bytes, u.deferred_bytes)
         room = (budget - rebuilt) / per_block if per_block > 0 else math.inf
         out.append(max(0, math.floor(room)) if room < 10**9 else 10**9)
     return out
@@ -184,8 +186,8 @@ class LayoutILP:
         self.prob += self.slowest >= self.lin(k, "time_s", ts), f"stage_time_{k}"
         # model states + in-flight activations + rematerialised layer + loss + buffers + reserve
         states_k = terms.weighted(params_k, experts_k, "state")  # experts: ZeRO over dp/ep ranks
-        memory_k = states_k * terms.state_bytes_per_param * ms + terms.inflight[k] * self.lin(
-            k, "act_bytes", ms
+        memory_k = states_k * terms.state_bytes_per_param * ms + terms.held_bytes(
+            k, self.lin(k, "act_bytes", ms), self.lin(k, "deferred_bytes", ms)
         )
         if self.has_remat:  # one block's activations rebuilt in backward (full or a policy)
             memory_k += self.has_remat[k] * terms.block["none"].act_full_bytes * ms

@@ -65,7 +65,8 @@ def test_ep2_prices_the_all_to_alls_and_splits_the_experts() -> None:
     e = block.expert_params * profile.blocks
     dense = profile.total_params - e
     mem = two.memory[0]
-    assert mem.weights == pytest.approx(4 * (dense + e / 2))
+    # the gathered weights, and FSDP2's fp32 shards beside them (dense over dp, experts over dp / ep)
+    assert mem.weights == pytest.approx(4 * (dense + e / 2) + 4 * dense / 4 + 4 * (e / 2) / 2)
     assert mem.gradients == pytest.approx(4 * (dense + e / 2))
     assert mem.optimizer == pytest.approx(8 * dense / 4 + 8 * (e / 2) / 2)
     assert one.memory[0].optimizer == pytest.approx(8 * (dense + e) / 4)  # the same sharded bytes
@@ -78,8 +79,9 @@ def test_expert_factors_follow_the_shard_groups() -> None:
     # ring all-reduce bytes term: (n − 1)/n over 2 ranks against 4 (one link inside the node)
     assert f["expert_comm"] == pytest.approx((1 / 2) / (3 / 4))
     assert f["expert_optimizer"] == 2.0  # a rank updates 1/2 of its experts, not 1/4
-    # ZeRO-1 fp32: 4 + 4 + 8/e bytes per parameter, e = 2 against 4
-    assert f["expert_state"] == pytest.approx((4 + 4 + 8 / 2) / (4 + 4 + 8 / 4))
+    # ZeRO-1 fp32 on FSDP2: 4 + 4/e (the gathered weights and their shards) + 4 + 8/e bytes per
+    # parameter, e = 2 against 4
+    assert f["expert_state"] == pytest.approx((4 + 4 / 2 + 4 + 8 / 2) / (4 + 4 / 4 + 4 + 8 / 4))
     assert expert_factors(cluster, replace(st, dp=2, global_batch=8))["expert_comm"] == 0.0  # e = 1
 
 

@@ -13,8 +13,10 @@ import torch.distributed as dist
 
 from autopar import Cluster, Constraints, PlanRequest
 from autopar.cost_models.memory import (
+    FP32_SHARD_BYTES,
     LOSS_BYTES_PER_LOGIT,
     comm_buffer_bytes,
+    deferred_grad_bytes,
     loss_bytes,
     rank_state_bytes,
 )
@@ -26,6 +28,7 @@ from autopar.runtime import parallelize
 from autopar.runtime.loss import lm_loss
 from autopar.strategy import Strategy
 from autopar.zoo.llama import Llama, LlamaConfig
+from tests.cost_models.conftest import SMALL_GPT_SEQ
 
 
 def test_loss_bytes_by_hand() -> None:
@@ -61,9 +64,15 @@ def test_rank_state_bytes_by_hand() -> None:
     # accumulate unsharded in fp32 (4 B); only the optimizer's 12 B stay sharded
     st = Strategy(dp=8, pp=2, zero=3, micro_batch=1, global_batch=16, seq=1024)
     assert rank_state_bytes(1e9, st) == {"weights": 2e9, "gradients": 4e9, "optimizer": 1.5e9}
-    # ZeRO-1 is untouched by the pipeline rule
+    # so does ZeRO-1: a pipeline's data parallelism runs on FSDP2 at every stage
     st = Strategy(dp=8, pp=2, zero=1, micro_batch=1, global_batch=16, seq=1024)
-    assert rank_state_bytes(1e9, st) == {"weights": 2e9, "gradients": 2e9, "optimizer": 1.5e9}
+    assert rank_state_bytes(1e9, st) == {"weights": 2e9, "gradients": 4e9, "optimizer": 1.5e9}
+    # fp32 has no master weights apart from the weights: FSDP2's shard (4 B / dp) is kept beside
+    # the gathered copy (ZeRO-2), and ZeRO-0 on FSDP2 shards the optimizer's states too
+    st = Strategy(dp=8, tp=2, zero=2, micro_batch=1, global_batch=8, seq=1024, dtype="fp32")
+    assert rank_state_bytes(1e9, st) == {"weights": 4.5e9, "gradients": 0.5e9, "optimizer": 1e9}
+    st = Strategy(dp=8, tp=2, zero=0, micro_batch=1, global_batch=8, seq=1024, dtype="fp32")
+    assert rank_state_bytes(1e9, st) == {"weights": 4.5e9, "gradients": 4e9, "optimizer": 1e9}
 
 
 def test_comm_buffers_by_hand() -> None:
@@ -172,6 +181,20 @@ def test_zero_step_memory_measured(tmp_path: Path) -> None:
         # a one-micro-batch step has none yet (the model counts them anyway: it is over by them)
         if plan.strategy.micro_batches > 1:
             made += mem["gradients"]
-        if plan.strategy.zero == 2:
-            made += mem["weights"]  # ZeRO-2 counts its weights gathered: all made by this step
+        if plan.strategy.zero == 2:  # ZeRO-2 counts its weights gathered, made by this step, and
+            # (fp32) FSDP2's shards of them, which the step found (4 B per parameter ÷ dp, of 4 + 4/dp)
+            dp = plan.strategy.dp
+            made += mem["weights"] * 4 / (4 + FP32_SHARD_BYTES / dp)
         assert measured == pytest.approx(made, rel=0.01), (plan.strategy.zero, plan.strategy.micro_batch)
+
+
+def test_deferred_gradients_and_the_tied_head_from_the_graph(small_gpt_profile) -> None:
+    # a GPT block's ops that meet a parameter: two norms (h each, the residual stream), the QKV
+    # and MLP-in linears (3h + 4h, column-parallel) and two row-parallel linears (h each), per
+    # token in bf16; the head's linear reads the embedding's (tied) weight
+    p, h, tokens = small_gpt_profile, 256, SMALL_GPT_SEQ
+    block = p.layer_types[p.layers[1]]
+    assert block.weight_out_bytes == (2 * h * tokens * 2, 2 * h * tokens * 2, 7 * h * tokens * 2)
+    assert deferred_grad_bytes(block, tp=4, sp=True) == (2 / 4 + 2 + 7 / 4) * h * tokens * 2
+    assert p.layer_types["head"].tied_params == 4096 * h
+    assert p.layer_types["embed"].tied_params == 0

@@ -9,7 +9,7 @@ import pytest
 from autopar import Cluster
 from autopar.cost_models.compute import weight_grad_s
 from autopar.cost_models.estimate import estimate, stage_layer_names
-from autopar.cost_models.memory import inflight_stage_copies
+from autopar.cost_models.memory import deferred_stage_copies, inflight_stage_copies
 from autopar.cost_models.pipeline import bubble_rounds, simulate_orders, torch_orders
 from autopar.planner import ModelProfiles
 from autopar.strategy import Strategy, StrategyError, check_strategy
@@ -48,6 +48,28 @@ def test_bubble_and_peak_equal_torchs_orders(schedule: str, v: int, rounds: tupl
                 inflight_stage_copies(schedule, stage=k, pp=p, micro_batches=m, virtual=v) for k in range(p)
             ]
             assert held == pytest.approx([n / v for n in peak]), (schedule, p, v, m)
+
+
+@pytest.mark.parametrize(("schedule", "v", "rounds"), [c for c in CASES if c[0] != "interleaved"])
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_deferred_weight_gradients_peak_as_torchs_orders(
+    schedule: str, v: int, rounds: tuple[int, ...], p: int
+) -> None:
+    # a chunk past its I holds its weight-op gradients (ratio × its activations) until its W
+    for r in rounds:
+        m = r * p
+        orders = torch_orders(schedule, pp=p, virtual=v, micro_batches=m)
+        for ratio in (0.0, 0.3, 0.6, 1.0):
+            _, peak = simulate_orders(
+                orders, fwd_s=1, bwd_input_s=1, wgrad_s=1, chunks=p * v, deferred_ratio=ratio
+            )
+            got = []
+            for k in range(p):
+                held, deferred = deferred_stage_copies(
+                    schedule, stage=k, pp=p, micro_batches=m, virtual=v, ratio=ratio
+                )
+                got.append(held + ratio * deferred)
+            assert got == pytest.approx([x / v for x in peak]), (schedule, p, v, m, ratio)
 
 
 def test_zero_bubble_closed_forms_by_hand() -> None:
