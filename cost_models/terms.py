@@ -1,12 +1,11 @@
 """The cost model as linear terms: what one block costs under each recompute choice.
 
-For one choice of the "outer" knobs (tp, pp, dp, ZeRO, micro-batch, schedule,
-sequence parallelism, dtype) every per-rank quantity the estimate needs —
-time per micro-batch, parameters, activation bytes, data-parallel traffic —
-is linear in how many blocks of each recompute kind the rank holds. ``Terms``
-holds those coefficients. ``estimate`` evaluates them for a given layout and
-the planner's ILP minimises over layouts with the very same coefficients, so
-a plan's ILP objective equals its estimate.
+For one choice of the "outer" knobs (tp, pp, dp, ZeRO, micro-batch, schedule, sequence
+parallelism, dtype) every per-rank quantity the estimate needs — time per micro-batch,
+parameters, activation bytes, data-parallel traffic — is linear in how many blocks of each
+recompute kind the rank holds. ``Terms`` holds those coefficients. ``estimate`` evaluates them
+for a given layout and the planner's ILP minimises over layouts with the very same
+coefficients, so a plan's ILP objective equals its estimate.
 """
 
 from __future__ import annotations
@@ -376,6 +375,9 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
         dense += lc.tied_params / t
     params = dense + experts
     tokens = st.micro_batch * st.seq
+    full = mem.layer_activation_bytes(
+        lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes, expert_skew=skew(st)
+    )
     return Unit(
         fwd_s=fwd,
         bwd_compute_s=bwd,
@@ -387,10 +389,8 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
         ep_s=ep_fwd * (2 if whole_block else 1) + ep_bwd,
         expert_params=experts if st.ep > 1 else 0.0,
         act_bytes=act,
-        deferred_bytes=mem.deferred_grad_bytes(lc, tp=t, sp=sp),
-        act_full_bytes=mem.layer_activation_bytes(
-            lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes, expert_skew=skew(st)
-        ),
+        deferred_bytes=mem.deferred_grad_bytes(lc, tp=t, sp=sp) + full - act,  # + what I rebuilt
+        act_full_bytes=full,
         params=params,
         fwd_flops=float(lc.fwd_flops),
         recompute_flops=redo_flops,

@@ -18,6 +18,7 @@ from autopar.cost_models.memory import (
     comm_buffer_bytes,
     deferred_grad_bytes,
     loss_bytes,
+    pipeline_buffer_bytes,
     rank_state_bytes,
 )
 from autopar.measure.launch import launch
@@ -198,3 +199,12 @@ def test_deferred_gradients_and_the_tied_head_from_the_graph(small_gpt_profile) 
     assert deferred_grad_bytes(block, tp=4, sp=True) == (2 / 4 + 2 + 7 / 4) * h * tokens * 2
     assert p.layer_types["head"].tied_params == 4096 * h
     assert p.layer_types["embed"].tied_params == 0
+
+
+def test_pipeline_receive_buffers_by_hand() -> None:
+    # torch allocates one receive buffer per micro-batch for each chunk's input (but the first
+    # chunk's) and output gradient (but the last chunk's): PP4 × v2, 32 micro-batches, 1 MB each
+    st = Strategy(pp=4, schedule="interleaved", virtual_stages=2, micro_batch=1, global_batch=32, seq=1024)
+    got = [pipeline_buffer_bytes(st, rank=k, p2p_bytes=1e6) for k in range(4)]
+    assert got == [32 * 3e6, 32 * 4e6, 32 * 4e6, 32 * 3e6]  # rank 0 holds chunk 0, rank 3 chunk 7
+    assert pipeline_buffer_bytes(Strategy(dp=2, global_batch=8), rank=0, p2p_bytes=1e6) == 0.0
