@@ -257,8 +257,8 @@ class Strategy:
 
     @property
     def uses_fsdp(self) -> bool:
-        """Whether the data-parallel axis runs on FSDP2 (dp > 1 but not DDP's plans): it shards
-        the optimizer's states at every ZeRO stage (``runtime.sharding``)."""
+        """Whether the data-parallel axis runs on FSDP2 (dp > 1 but not DDP's plans,
+        ``runtime.sharding``): gathered weights beside their shards, whatever the ZeRO stage."""
         return self.dp > 1 and not self.uses_ddp
 
     @cached_property

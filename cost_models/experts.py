@@ -67,7 +67,7 @@ def expert_factors(cluster: Cluster, st: Strategy) -> dict[str, float]:
 
     - state: ZeRO shards expert states over the e = dp/ep ranks holding the same experts, so
       per parameter ``state_bytes_per_param`` at e shards over that at dp (1 at ZeRO 0);
-    - optimizer: a ZeRO ≥ 1 (or FSDP2) rank updates 1/e of its experts, not 1/dp: × ep;
+    - optimizer: a ZeRO ≥ 1 rank updates 1/e of its experts, not 1/dp: × ep;
     - comm: expert gradients are reduced over those e ranks (stride tp·ep), dense ones over dp:
       the ratio of the two collectives' seconds per byte (0 when e = 1: nothing to reduce)."""
     if st.ep == 1:
@@ -80,7 +80,7 @@ def expert_factors(cluster: Cluster, st: Strategy) -> dict[str, float]:
     local = comm.coefficients(kind, e, comm.group_link(cluster, st.dims.axis("edp")), comm.BULK_BYTES)[1]
     return {
         "expert_state": state,
-        "expert_optimizer": float(st.ep) if st.zero >= 1 or st.uses_fsdp else 1.0,
+        "expert_optimizer": float(st.ep) if st.zero >= 1 else 1.0,
         "expert_comm": local / dense if dense > 0 else 0.0,
     }
 

@@ -129,21 +129,20 @@ def rank_state_bytes(params: float, st: Strategy, *, shard: int | None = None) -
     so each GPU accumulates its stage's gradients unsharded, upcast to the fp32 reduce dtype
     (``FSDPParam.to_accumulated_grad_if_needed``: 4 B each), and keeps the gathered weights
     (w B each) from its first backward to the end of the step. A plan that runs on FSDP2 (every
-    data-parallel plan but DDP's, ``Strategy.uses_ddp``) has its optimizer states sharded at any
-    ZeRO stage and, in fp32, the sharded weights beside the gathered ones (``FP32_SHARD_BYTES``;
-    measured: a tiny Llama's ZeRO-2 rank, ``autopar dryrun``). PowerSGD adds its error feedback
-    to the gradients' bytes. ``shard``: the ranks ZeRO shards over, if not ``Strategy.dp_shard``
-    (routed experts under expert parallelism: dp / ep).
+    data-parallel plan but DDP's, ``Strategy.uses_ddp``) keeps, in fp32, the sharded weights
+    beside the gathered ones (``FP32_SHARD_BYTES``; measured: a tiny Llama's ZeRO-2 rank,
+    ``autopar dryrun``). FSDP2 shards a ZeRO-0 plan's optimizer states too; they are priced whole,
+    as the published ZeRO-0 runs hold them (``benchmarks/published_runs.py``). PowerSGD adds its
+    error feedback to the gradients' bytes. ``shard``: the ranks ZeRO shards over, if not
+    ``Strategy.dp_shard`` (routed experts under expert parallelism: dp / ep).
     """
     dp = st.dp_shard if shard is None else shard  # HSDP: ÷ its group
     states = model_state_bytes(params, zero=st.zero, dp=dp, dtype=st.dtype)
     if st.pp > 1 and st.uses_fsdp:
         states["weights"] = params * STATE_BYTES[st.dtype][0]
         states["gradients"] = params * PIPELINE_GRAD_BYTES
-    if st.uses_fsdp:  # FSDP2 (``runtime.sharding``) shards what ZeRO 0–1 would not
-        states["optimizer"] = params * STATE_BYTES[st.dtype][2] / dp
-        if st.dtype == "fp32" and (st.zero < 3 or st.pp > 1):
-            states["weights"] += params * FP32_SHARD_BYTES / dp
+    if st.uses_fsdp and st.dtype == "fp32" and (st.zero < 3 or st.pp > 1):
+        states["weights"] += params * FP32_SHARD_BYTES / dp
     if st.powersgd_rank:  # its error-feedback buffer (compression.POWERSGD_STATE_BYTES_PER_PARAM)
         states["gradients"] += params * POWERSGD_STATE_BYTES_PER_PARAM
     return states

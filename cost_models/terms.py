@@ -478,8 +478,7 @@ def build_terms(
         state_bytes_per_param=mem.state_bytes_per_param(st),
         weight_bytes=mem.STATE_BYTES[st.dtype][0],
         **dp_terms(profile, cluster, st, blocks["none"].params, rank_params),
-        opt_s_per_param=optimizer_s_per_param(cluster, st)
-        / (st.dp_shard if st.zero >= 1 or st.uses_fsdp else 1)
+        opt_s_per_param=optimizer_s_per_param(cluster, st) / (st.dp_shard if st.zero >= 1 else 1)
         + compress_s_per_param(cluster, st),
         loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq, vocab=profile.vocab, tp=t),
         buffers=mem.comm_buffer_bytes(
