@@ -154,6 +154,8 @@ def apply_schedule(
         pipelining.PipelineStage(stage, c, stages.count, local_device(), group=group, **_static_shapes(stage))
         for c, stage in sorted(stages.modules.items())
     ]
+    for pipe in pipes:
+        drop_input_grads(pipe)
     cls = getattr(pipelining, SCHEDULES[st.schedule])
     local = pipes if st.schedule in MULTI_CHUNK else pipes[0]
     schedule = cls(local, st.micro_batches, loss_fn=loss_fn, scale_grads=False)
@@ -162,6 +164,28 @@ def apply_schedule(
     params = [p for stage in stages.modules.values() for p in stage.parameters()]
     first, last = 0 in stages.modules, stages.count - 1 in stages.modules
     return PipelineSchedule(schedule, first=first, last=last, params=params, micro_batches=st.micro_batches)
+
+
+def drop_input_grads(stage: Any) -> None:
+    """Frees each micro-batch's input gradient once a split backward has computed it.
+
+    torch's ``stage_backward_input`` (the input-gradient pass of the zero-bubble schedules) also
+    stores the gradient as ``.grad`` of the stage's input, a receive buffer torch keeps for the
+    whole step (one per micro-batch), and never clears it, unlike ``stage_backward``, which
+    clears it. Every micro-batch's gradient would stay to the step's end, and on into the next:
+    m · chunks · b·s·h/t bytes. The send reads its own reference (``bwd_cache``), the weight
+    pass none, so it is dropped when the input-gradient pass returns."""
+    run = stage.backward_one_chunk
+
+    def backward_one_chunk(bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        out = run(bwd_chunk_id, *args, **kwargs)
+        state = stage.backward_state.get(bwd_chunk_id)  # a split backward's, until its W
+        for t in state[0] if state else ():
+            if isinstance(t, torch.Tensor):
+                t.grad = None
+        return out
+
+    stage.backward_one_chunk = backward_one_chunk
 
 
 def _static_shapes(stage: nn.Module) -> dict[str, Any]:

@@ -186,6 +186,24 @@ def test_predictions_count_deferred_weight_gradients_and_the_tied_head() -> None
     assert 0.95 < run.peak_bytes / run.predicted_peak_bytes < 1.10
 
 
+def test_zero_bubble_holds_no_gradient_per_micro_batch() -> None:
+    """32 micro-batches over PP4 × v2 (8 blocks): torch's receive buffers, one per micro-batch
+    (``memory.pipeline_buffer_bytes``), are priced, and the input gradient torch's split backward
+    leaves on each of them is dropped (``runtime.schedules.drop_input_grads``): the middle rank
+    within 5% of its prediction (1.37× with neither, 1.11× with the buffers priced alone)."""
+
+    def make() -> torch.nn.Module:
+        return make_gpt(layers=8)
+
+    plan = plan_for(
+        make, batch=32, seq=SEQ, micro_batch=1, tp=1, pp=4, dp=1, schedule="interleaved-zb", virtual_stages=2
+    )
+    rank, _ = rank_roles(plan)[1]
+    run = dry_run(make, plan, rank)
+    assert run.ok, run.failure
+    assert 0.95 < run.peak_bytes / run.predicted_peak_bytes < 1.05
+
+
 def test_ddp_is_refused() -> None:
     assert "DDP" in dry_run(make_gpt, _plan(tp=1, pp=1, dp=2, zero=1), 0).failure
 
