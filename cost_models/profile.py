@@ -474,12 +474,5 @@ def _meets_parameter(n: fx.Node) -> bool:
 
 
 def _is_parameter(n: fx.Node) -> bool:
-    """A get_attr of a parameter (a tied one too, whose bytes the first reader counts), not a
-    buffer."""
-    if n.op != "get_attr":
-        return False
-    if n.meta.get("autopar.param_bytes"):
-        return True
-    module = n.graph.owning_module
-    names = dict(module.named_parameters(remove_duplicate=False)) if module is not None else {}
-    return str(n.target) in names
+    """A get_attr of a parameter (a tied one too), not a buffer (``graph.annotate``)."""
+    return n.op == "get_attr" and bool(n.meta.get("autopar.param"))

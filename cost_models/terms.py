@@ -83,8 +83,8 @@ class Unit:
     """Routed-expert parameters on this GPU under expert parallelism (ep > 1: E/ep experts'),
     part of ``params``; their states shard over the dp / ep ranks holding the same experts."""
     deferred_bytes: float = 0.0
-    """Weight-op output gradients a zero-bubble schedule keeps from a chunk's I to its W
-    (``memory.deferred_grad_bytes``)."""
+    """What a zero-bubble schedule keeps from a chunk's I to its W beyond ``act_bytes``: the
+    weight-op output gradients (``memory.deferred_grad_bytes``) and what recompute rebuilt."""
 
     @property
     def compute_s(self) -> float:

@@ -195,6 +195,7 @@ class _CostInterpreter(fx.Interpreter):
         n.meta["autopar.mem_bytes"] = 0 if is_view(n) else _mem_bytes(n, out, self.env)
         n.meta["autopar.out_bytes"] = _nbytes(out)
         n.meta["autopar.param_bytes"] = _param_bytes(first) if is_param else 0
+        n.meta["autopar.param"] = is_param  # a tied one too, whose bytes its first read counts
         return out
 
 

@@ -15,6 +15,7 @@ from autopar import Cluster, Constraints, PlanRequest
 from autopar.cost_models.memory import (
     FP32_SHARD_BYTES,
     LOSS_BYTES_PER_LOGIT,
+    STATE_BYTES,
     comm_buffer_bytes,
     deferred_grad_bytes,
     loss_bytes,
@@ -185,7 +186,8 @@ def test_zero_step_memory_measured(tmp_path: Path) -> None:
         if plan.strategy.zero == 2:  # ZeRO-2 counts its weights gathered, made by this step, and
             # (fp32) FSDP2's shards of them, which the step found (4 B per parameter ÷ dp, of 4 + 4/dp)
             dp = plan.strategy.dp
-            made += mem["weights"] * 4 / (4 + FP32_SHARD_BYTES / dp)
+            w = STATE_BYTES["fp32"][0]
+            made += mem["weights"] * w / (w + FP32_SHARD_BYTES / dp)
         assert measured == pytest.approx(made, rel=0.01), (plan.strategy.zero, plan.strategy.micro_batch)
 
 
