@@ -177,7 +177,7 @@ def test_predictions_count_deferred_weight_gradients_and_the_tied_head() -> None
     """The last rank of an interleaved zero-bubble pipeline keeps each chunk's weight-op
     gradients from its I to its W (``memory.deferred_grad_bytes``), and holds its own copy of the
     tied embedding: its dry-run peak within 10% of the prediction (it was 1.20× before the model
-    counted either; 1F1B's same rank is at 1.06×), and the copy's bytes counted exactly."""
+    counted either; 1F1B's same rank is at 1.04×), and the copy's bytes counted exactly."""
     plan = _plan(tp=1, pp=2, dp=1, zero=0, schedule="interleaved-zb")
     rank, _ = rank_roles(plan)[-1]
     run = dry_run(make_gpt, plan, rank)
