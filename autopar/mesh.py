@@ -10,12 +10,13 @@ the monitor asks for a rank's stage. No other module computes a stride or a coor
 Ranks fill the mesh row-major (torch's ``init_device_mesh``), TP innermost so that its groups
 stay inside a node, data parallelism next, the pipeline outermost:
 
-    rank = (pp_i · dp + dp_i) · tp + tp_i,   dp_i = rep_i · dp_shard + shard_i   (HSDP)
-                                             dp_i = edp_i · ep + ep_i            (EP)
+    rank = ((pp_i · dp + dp_i) · cp + cp_i) · tp + tp_i,   dp_i = rep_i · dp_shard + shard_i   (HSDP)
+                                                           dp_i = edp_i · ep + ep_i            (EP)
 
 so a group of n ranks along a dim spaced s apart has stride s = the product of the sizes of
-the dims inside it, and a rank's coordinate on it is (rank // s) mod n. A new axis (context
-parallelism: between dp and tp, as torchtitan orders it) is one more entry of ``mesh_dims``.
+the dims inside it, and a rank's coordinate on it is (rank // s) mod n. Context parallelism
+(each sequence split over cp ranks) sits between dp and tp, as torchtitan orders it; its dim
+is in the mesh only when cp > 1, so every other plan's mesh is (pp, dp, tp) as before.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ class ParallelDims:
     """HSDP replica groups of dp / dp_replicate shard ranks each (1: no HSDP)."""
     ep: int = 1
     """Expert-parallel ranks, taken from dp (1: no EP)."""
+    cp: int = 1
+    """Context-parallel ranks: each sequence split over cp ranks (between dp and tp)."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "dp_replicate", "ep"):
+        for name in ("pp", "dp", "tp", "dp_replicate", "ep", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"mesh degree {name} must be a positive integer, got {value!r}")
@@ -76,11 +79,20 @@ class ParallelDims:
                 f"dp {self.dp} must split into dp_replicate {self.dp_replicate} or ep {self.ep} "
                 "groups, not both"
             )
+        if self.cp > 1 and (self.ep > 1 or self.dp_replicate > 1):
+            raise ValueError(f"cp {self.cp} runs without HSDP and expert parallelism")
 
     @property
     def world_size(self) -> int:
-        """Ranks in the mesh: pp · dp · tp."""
-        return self.pp * self.dp * self.tp
+        """Ranks in the mesh: pp · dp · cp · tp."""
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same weights and sum their gradients (FSDP2's and DDP's group): the
+        data-parallel ranks times the context-parallel ones (torchtitan's ``dp_shard_cp``), as
+        each cp rank trains on its part of the same sequences."""
+        return self.dp * self.cp
 
     @property
     def dp_shard(self) -> int:
@@ -91,26 +103,33 @@ class ParallelDims:
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
         """The device mesh's dims and sizes, outermost first (torchtitan's names): (pp, dp, tp),
         dp as (dp_replicate, dp_shard) under HSDP and as (edp, ep) under EP — ep consecutive
-        ranks split each MoE layer's experts, the dp / ep "edp" ranks hold the same ones."""
+        ranks split each MoE layer's experts, the dp / ep "edp" ranks hold the same ones — and
+        (pp, dp, cp, tp) when cp > 1."""
         if self.ep > 1:
             data: tuple[tuple[str, int], ...] = (("edp", self.dp // self.ep), ("ep", self.ep))
         elif self.dp_replicate > 1:
             data = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard))
         else:
             data = (("dp", self.dp),)
-        return (("pp", self.pp), *data, ("tp", self.tp))
+        context = (("cp", self.cp),) if self.cp > 1 else ()
+        return (("pp", self.pp), *data, *context, ("tp", self.tp))
 
     @cached_property
     def flattened(self) -> dict[str, tuple[str, ...]]:
         """Groups that are several adjacent mesh dims at once (``DeviceMesh._flatten``): "dp"
-        where the data axis is two dims (what runs over all of it: data, loss, dense ZeRO)."""
-        names = tuple(name for name, _ in self.mesh_dims[1:-1])
-        return {"dp": names} if len(names) > 1 else {}
+        where the data axis is two dims (what runs over all of it: data, loss, dense ZeRO);
+        "dp_cp" when cp > 1 (the data dims and cp: the ranks that reduce the same gradients)."""
+        names = tuple(name for name, _ in self.mesh_dims[1:-1] if name != "cp")
+        out = {"dp": names} if len(names) > 1 else {}
+        return out | ({"dp_cp": (*names, "cp")} if self.cp > 1 else {})
 
     @property
     def fsdp_dims(self) -> tuple[str, ...]:
         """The dims FSDP2 shards the dense weights over: (dp_replicate, dp_shard) under HSDP (a
-        2-D mesh is its hybrid sharding), else dp."""
+        2-D mesh is its hybrid sharding), dp·cp flattened under context parallelism (torchtitan
+        folds cp into the shard group), else dp."""
+        if self.cp > 1:
+            return ("dp_cp",)
         return ("dp_replicate", "dp_shard") if self.dp_replicate > 1 else ("dp",)
 
     @cached_property
@@ -133,6 +152,9 @@ class ParallelDims:
         if "ep" not in axes:  # no EP: each rank holds every expert, as every dp rank does
             axes["ep"] = Axis("ep", 1, dp.stride)
             axes["edp"] = Axis("edp", dp.size, dp.stride)
+        if "cp" not in axes:  # no CP: one rank per sequence; the gradient group is dp's
+            axes["cp"] = Axis("cp", 1, axes["tp"].size)
+            axes["dp_cp"] = Axis("dp_cp", dp.size, dp.stride)
         axes["stage"] = Axis("stage", self.world_size // self.pp, 1)
         return axes
 

@@ -89,7 +89,7 @@ class Plan:
     strategy: Strategy
     """Degrees, ZeRO, micro-batching, schedule, sequence parallelism, dtype, layout."""
     mesh: tuple[tuple[str, int], ...]
-    """Device-mesh axes, outermost first: (pp, p), (dp, d), (tp, t)."""
+    """Device-mesh axes, outermost first: (pp, p), (dp, d), (cp, c) when cp > 1, (tp, t)."""
     crosses_nodes: tuple[str, ...]
     """Mesh axes whose groups span more than one node."""
     stages: tuple[StagePlan, ...]

@@ -14,14 +14,12 @@ from autopar.errors import StrategyError
 from autopar.knobs import field_problem, knob
 from autopar.mesh import ParallelDims
 from autopar.recompute_policy import RECOMPUTE, RecomputePolicy
+from autopar.splits import V_SHAPE, even_split, fewest_blocks, least_rank_blocks
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
 ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
 """Schedules that split each backward into its input-gradient (B) and weight-gradient (W) parts
 and run the W parts in what would be bubble (Qi et al. 2024, "Zero Bubble Pipeline Parallelism")."""
-V_SHAPE = ("zbv", "dualpipev")
-"""Schedules with two chunks per rank placed in a V: rank k holds chunks k and 2p − 1 − k, so the
-first rank runs both the embedding's chunk and the head's (Qi et al. 2024 §6; DeepSeek-V3's DualPipeV)."""
 MULTI_CHUNK = ("interleaved", *ZERO_BUBBLE)
 """Schedules that may run more than one model chunk (virtual stage) per rank."""
 DTYPES = ("bf16", "fp16", "fp32")
@@ -45,8 +43,14 @@ class Strategy:
     """Tensor-parallel degree (innermost mesh axis, inside a node when it fits)."""
     pp: int = knob(1, kind=int, least=1, help="pipeline-parallel degree")
     """Pipeline-parallel degree (stages)."""
-    dp: int = knob(1, kind=int, least=1, help="data-parallel degree", derived="the GPUs tp·pp leave")
+    dp: int = knob(1, kind=int, least=1, help="data-parallel degree", derived="the GPUs tp·pp·cp leave")
     """Data-parallel degree."""
+    cp: int = knob(1, kind=int, least=1, help="context-parallel degree (each sequence split over cp ranks)")
+    """Context-parallel degree: each micro-batch's sequences split over cp ranks, two chunks of
+    s / (2·cp) positions each (chunks r and 2·cp − 1 − r: the same share of causal attention on
+    every rank), keys and values all-gathered for attention; the weights' gradients summed over
+    dp·cp ranks, ZeRO sharding over them (torchtitan's ``dp_shard_cp``). Between dp and tp in
+    the mesh."""
     zero: int = knob(0, kind=int, choices=(0, 1, 2, 3), help="ZeRO stage")
     """ZeRO stage 0–3 over the data-parallel axis."""
     micro_batch: int = knob(1, kind=int, least=1, help="micro-batch size (sequences)")
@@ -203,6 +207,16 @@ class Strategy:
             )
         if self.sequence_parallel and self.tp == 1:
             raise StrategyError("sequence parallel needs tp > 1")
+        if self.cp > 1 and self.seq % (2 * self.cp):
+            raise StrategyError(
+                f"cp {self.cp} splits each sequence into 2·cp = {2 * self.cp} equal chunks: "
+                f"seq {self.seq} is not a multiple of it"
+            )
+        if self.cp > 1 and (self.ep > 1 or self.dp_replicate > 1):
+            raise StrategyError(
+                f"cp {self.cp} runs without expert parallelism and HSDP (got ep {self.ep}, "
+                f"dp_replicate {self.dp_replicate}): cp ranks join the data-parallel shard group"
+            )
         if self.layout and len(self.layout) != self.pp:
             raise StrategyError(f"layout has {len(self.layout)} stages but pp={self.pp}")
         width = len(self.choices)
@@ -222,13 +236,16 @@ class Strategy:
         cls, world_size: int, *, dp: int | None = None, virtual_stages: int | None = None, **knobs: Any
     ) -> Strategy:
         """A strategy for ``world_size`` GPUs from the knobs given: ``dp`` defaults to the GPUs
-        tp·pp leave (world ÷ (tp·pp)), ``virtual_stages`` to 2 under a multi-chunk schedule
+        tp·pp·cp leave (world ÷ (tp·pp·cp)), ``virtual_stages`` to 2 under a multi-chunk schedule
         (1 otherwise)."""
-        tp, pp = knobs.get("tp", 1), knobs.get("pp", 1)
+        others = ParallelDims(tp=knobs.get("tp", 1), pp=knobs.get("pp", 1), cp=knobs.get("cp", 1))
         if dp is None:
-            dp, rem = divmod(world_size, tp * pp)
+            dp, rem = divmod(world_size, others.world_size)
             if rem or dp == 0:
-                raise StrategyError(f"tp·pp = {tp * pp} does not divide the cluster's {world_size} GPUs")
+                named = "tp·pp·cp" if others.cp > 1 else "tp·pp"
+                raise StrategyError(
+                    f"{named} = {others.world_size} does not divide the cluster's {world_size} GPUs"
+                )
         if virtual_stages is None:
             virtual_stages = 2 if knobs.get("schedule") in MULTI_CHUNK else 1
         return cls(dp=dp, virtual_stages=virtual_stages, **knobs)
@@ -253,28 +270,43 @@ class Strategy:
     def uses_ddp(self) -> bool:
         """Whether the data-parallel axis runs on DDP (the model as written, tp = pp = 1, at
         ZeRO 0–1, dp > 1; every other data-parallel plan runs on FSDP2)."""
-        return runs_on_ddp(tp=self.tp, pp=self.pp, dp=self.dp, zero=self.zero, ep=self.ep)
+        return runs_on_ddp(tp=self.tp, pp=self.pp, dp=self.dims.dp_cp, zero=self.zero, ep=self.ep)
 
     @property
     def uses_fsdp(self) -> bool:
         """Whether the data-parallel axis runs on FSDP2 (dp > 1 but not DDP's plans,
         ``runtime.sharding``): gathered weights beside their shards, whatever the ZeRO stage."""
-        return self.dp > 1 and not self.uses_ddp
+        return self.dims.dp_cp > 1 and not self.uses_ddp
 
     @cached_property
     def dims(self) -> ParallelDims:
         """The mesh these degrees lay out: its axes, strides and rank coordinates."""
-        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp, dp_replicate=self.dp_replicate, ep=self.ep)
+        return ParallelDims(
+            pp=self.pp, dp=self.dp, tp=self.tp, dp_replicate=self.dp_replicate, ep=self.ep, cp=self.cp
+        )
 
     @property
     def dp_shard(self) -> int:
-        """Ranks ZeRO shards the model states over: dp / dp_replicate (all of dp without HSDP)."""
-        return self.dp // self.dp_replicate
+        """Ranks ZeRO shards the model states over: dp / dp_replicate (all of dp without HSDP),
+        times cp (context-parallel ranks hold the same weights: ``ParallelDims.dp_cp``)."""
+        return self.dp // self.dp_replicate * self.cp
 
     @property
     def world_size(self) -> int:
-        """GPUs the strategy uses: tp · pp · dp."""
+        """GPUs the strategy uses: tp · pp · dp · cp."""
         return self.dims.world_size
+
+    @property
+    def rank_sequences(self) -> float:
+        """Sequences' worth of work one rank does per micro-batch: b, or b / cp under context
+        parallelism (a rank's tokens and its share of causal attention both 1/cp of b
+        sequences': what the cost model prices it as, ``cost_models.context``)."""
+        return self.micro_batch if self.cp == 1 else self.micro_batch / self.cp
+
+    @property
+    def rank_tokens(self) -> int:
+        """Tokens of one micro-batch on one rank: b · s / cp (each sequence split over cp)."""
+        return self.micro_batch * self.seq // self.cp
 
     @property
     def micro_batches(self) -> int:
@@ -360,41 +392,6 @@ def remat(choice: str) -> bool:
     return choice not in ("none", "selective")
 
 
-def least_rank_blocks(rank: int, *, pp: int, virtual_stages: int, schedule: str) -> int:
-    """``Strategy.min_rank_blocks`` of a pipeline not yet built: a block per chunk but the
-    embedding's and the head's (the head on rank 0 in a V, on rank p − 1 looped), at least 1."""
-    if virtual_stages == 1:
-        return 1
-    head_rank = 0 if schedule in V_SHAPE else pp - 1
-    return max(1, virtual_stages - (rank == 0) - (rank == head_rank))
-
-
-def fewest_blocks(*, pp: int, virtual_stages: int, schedule: str) -> int:
-    """Fewest blocks a pipeline holds (Σ of ``least_rank_blocks``): p without interleaving,
-    p·v − 2 looped, 2p − 1 in a V (its rank 0 runs the embedding's and the head's chunks, and
-    one block still)."""
-    return sum(
-        least_rank_blocks(k, pp=pp, virtual_stages=virtual_stages, schedule=schedule) for k in range(pp)
-    )
-
-
-def even_split(blocks: int, chunks: int, least: list[int] | None = None) -> list[int]:
-    """Blocks per chunk, as even as possible; the extras go to the middle chunks (the first
-    holds the embedding and the most in-flight activations, the last the head). ``least``: the
-    fewest each chunk may hold (Σ ≤ blocks); where the even split leaves a chunk short, it takes
-    the blocks from the fullest chunks that can spare them."""
-    base, extra = divmod(blocks, chunks)
-    middle = sorted(range(chunks), key=lambda c: abs(c - (chunks - 1) / 2))[:extra]
-    split = [base + (1 if c in middle else 0) for c in range(chunks)]
-    if least is None or sum(least) > blocks or all(n >= lo for n, lo in zip(split, least, strict=True)):
-        return split  # (more needed than there are: no split is valid, ``check_strategy`` says so)
-    split = [max(n, lo) for n, lo in zip(split, least, strict=True)]
-    for _ in range(sum(split) - blocks):  # one at a time from the fullest that can spare one
-        spare = max((c for c in range(chunks) if split[c] > least[c]), key=lambda c: split[c])
-        split[spare] -= 1
-    return split
-
-
 def check_strategy(
     strategy: Strategy,
     *,
@@ -411,9 +408,10 @@ def check_strategy(
         have = f"{experts or 'no'} routed experts per layer"
         raise StrategyError(f"ep={s.ep} must divide each MoE layer's experts; the model has {have}")
     if s.world_size != world_size:
+        cp = f"·{s.cp}" if s.cp > 1 else ""
         raise StrategyError(
-            f"tp·pp·dp = {s.tp}·{s.pp}·{s.dp} = {s.world_size} but the cluster has {world_size} GPUs; "
-            "change a degree or --nodes"
+            f"tp·pp·dp{'·cp' if cp else ''} = {s.tp}·{s.pp}·{s.dp}{cp} = {s.world_size} but the cluster has "
+            f"{world_size} GPUs; change a degree or --nodes"
         )
     if heads is not None and heads % s.tp:
         raise StrategyError(f"tp={s.tp} does not divide {heads} heads")

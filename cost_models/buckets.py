@@ -56,7 +56,7 @@ def last_bucket_s(params: float, st: Strategy, ar_lat_s: float, ar_s_per_param: 
     """The all-reduce of DDP's last bucket, which starts when backward ends: min(cap, the rank's
     4·params bytes) of gradients, at ``ar_lat_s`` + ``ar_s_per_param`` per parameter (what
     compression leaves on the wire); 0 at dp 1."""
-    if st.dp == 1:
+    if st.dims.dp_cp == 1:
         return 0.0
     bucket_params = min(ddp_bucket_bytes(st) / BUCKET_GRAD_BYTES, params)
     return ar_lat_s + ar_s_per_param * bucket_params

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from autopar.cluster import Cluster, DeviceSpec
 from autopar.cost_models.profile import LayerCost
+from autopar.measurements import ComputeProfile, LayerTiming
 from autopar.strategy import Strategy
 
 FLASH_BACKWARD_RATIO = 2.5
@@ -111,7 +112,25 @@ def optimizer_s_per_param(cluster: Cluster, st: Strategy) -> float:
     measured = cluster.compute_profile
     if measured is None or measured.dtype != st.dtype:
         return ADAM_BYTES_PER_PARAM / cluster.device.hbm_bandwidth_bytes_per_s
-    dtensor = st.tp > 1 or (st.dp > 1 and (st.zero >= 2 or st.pp > 1))
+    dtensor = st.tp > 1 or (st.dims.dp_cp > 1 and (st.zero >= 2 or st.pp > 1))
     if dtensor and measured.optimizer_dtensor_s_per_param is not None:
         return measured.optimizer_dtensor_s_per_param
     return measured.optimizer_s_per_param
+
+
+def measured_timing(
+    measured: ComputeProfile | None, name: str, st: Strategy, compiled: bool
+) -> LayerTiming | None:
+    """A measured compute profile's timing of layer type ``name`` at ``st``'s micro-batch, seq,
+    TP width, sequence parallelism and dtype, compiled or eager, if it has one."""
+    if measured is None or st.cp > 1:  # timed on whole sequences: not a cp rank's share
+        return None
+    return measured.timing(
+        name,
+        micro_batch=st.micro_batch,
+        seq=st.seq,
+        tp=st.tp,
+        sp=st.sequence_parallel,
+        dtype=st.dtype,
+        compiled=compiled,
+    )

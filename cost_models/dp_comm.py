@@ -31,15 +31,15 @@ def dp_coefficients(
     The all-reduce (DDP, ZeRO 0–1) spans the whole DP axis: HSDP needs ZeRO-2/3."""
     on = "_bf16" if st.grad_reduce == "bf16" else ""
     k, r, dims = st.dp_shard, st.dp_replicate, st.dims
-    shard_link = comm.group_link(cluster, dims.axis("dp_shard" if r > 1 else "dp"))
+    shard_link = comm.group_link(cluster, dims.axis("dp_shard" if r > 1 else "dp_cp"))  # + cp ranks
     gather = comm.coefficients("all_gather", k, shard_link, unit_bytes)
     rs_lat, rs_spb = comm.coefficients(f"reduce_scatter{on}", k, shard_link, unit_grad_bytes)
     if r > 1:
         across = comm.group_link(cluster, dims.axis("dp_replicate"))
         ar_lat, ar_spb = comm.coefficients(f"all_reduce{on}", r, across, unit_grad_bytes / k)
         rs_lat, rs_spb = rs_lat + ar_lat, rs_spb + ar_spb / k
-    dp_link = comm.group_link(cluster, dims.axis("dp"))
-    return gather, (rs_lat, rs_spb), comm.coefficients(f"all_reduce{on}", st.dp, dp_link, bucket_bytes)
+    dp_link = comm.group_link(cluster, dims.axis("dp_cp"))
+    return gather, (rs_lat, rs_spb), comm.coefficients(f"all_reduce{on}", dims.dp_cp, dp_link, bucket_bytes)
 
 
 def dp_terms(

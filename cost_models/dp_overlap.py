@@ -40,7 +40,7 @@ def dp_exposed_s(terms: Terms, load: RankLoad) -> float:
     """
     st, lat, spb = terms.strategy, terms.lat_s, terms.s_per_byte
     rlat, rspb = terms.rs_lat_s, terms.rs_s_per_byte
-    if st.dp == 1:
+    if st.dims.dp_cp == 1:
         return 0.0
     params = terms.weighted(load.params, load.expert_params, "comm")  # experts: over dp/ep ranks
     grad, weights = params * terms.grad_bytes, params * terms.weight_bytes

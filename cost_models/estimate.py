@@ -24,10 +24,11 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.cost_models import comm
 from autopar.cost_models.bands import Band, band
+from autopar.cost_models.compute import measured_timing
 from autopar.cost_models.dp_overlap import dp_exposed_s
 from autopar.cost_models.profile import ModelProfile
 from autopar.cost_models.rank_load import RankLoad, optimizer_s, rank_load, rank_memory_terms
-from autopar.cost_models.terms import Terms, TPLayout, build_terms, measured_timing
+from autopar.cost_models.terms import Terms, TPLayout, build_terms
 from autopar.cost_models.timeline import StageTime, stage_times
 from autopar.gpus import arch_of
 from autopar.strategy import Strategy, check_strategy
@@ -208,7 +209,7 @@ def _check_inputs(profile: ModelProfile, cluster: Cluster, st: Strategy) -> None
     check_strategy(
         st, world_size=cluster.world_size, blocks=profile.blocks, heads=profile.heads, experts=profile.experts
     )
-    if st.seq != profile.seq or st.micro_batch != profile.micro_batch:
+    if st.seq != profile.seq or st.rank_sequences != profile.micro_batch:
         raise ValueError(
             f"profile captured at micro-batch {profile.micro_batch}, seq {profile.seq}; "
             f"strategy has {st.micro_batch}, {st.seq}"

@@ -14,7 +14,7 @@ from autopar.cost_models.kernels import OpCost
 from autopar.cost_models.profile import CallCost, LayerCost, ModelProfile
 
 
-def at_micro_batch(one: ModelProfile, two: ModelProfile, b: int) -> ModelProfile:
+def at_micro_batch(one: ModelProfile, two: ModelProfile, b: float) -> ModelProfile:
     """The profile at micro-batch ``b`` from captures at micro-batch 1 and 2.
 
     Every quantity is affine in the micro-batch (FLOPs and activation bytes

@@ -22,9 +22,11 @@ from autopar.cost_models.compute import (
     layer_backward_s,
     layer_forward_s,
     loss_time_s,
+    measured_timing,
     optimizer_s_per_param,
     weight_grad_s,
 )
+from autopar.cost_models.context import cp_phases_s, kv_extra_bytes
 from autopar.cost_models.dp_comm import dp_terms
 from autopar.cost_models.experts import (
     ep_backward_s,
@@ -40,8 +42,6 @@ from autopar.errors import AutoparError
 from autopar.measurements import ComputeProfile, LayerTiming
 from autopar.strategy import Strategy
 
-"""Bytes per gradient element in the DP reduction, by ``Strategy.grad_reduce`` (mixed-precision
-training reduces in fp32 unless the plan says bf16)."""
 CUDA_CONTEXT_BYTES = 2**30
 """Memory the CUDA context and NCCL take before any tensor (~1 GiB)."""
 FRAGMENTATION = 0.05
@@ -239,6 +239,7 @@ def layer_units(
         measured=cluster.compute_profile,
         tp_layout=tp_layout,
         ep_link=ep_link(cluster, st),
+        cp_s=cp_phases_s(profile, cluster, st),
     )
     blocks = {r: _unit(ctx, block_type, r) for r in st.choices}
     return blocks, _unit(ctx, "embed", "none"), _unit(ctx, "head", "none")
@@ -260,6 +261,8 @@ class _UnitContext:
     tp_layout: TPLayout | None
     ep_link: comm.GroupLink
     """The link an expert-parallel group's all-to-alls run over."""
+    cp_s: tuple[float, float]
+    """A block's context-parallel collectives, forward and backward (``context.cp_phases_s``)."""
 
 
 def _collective_s(ctx: _UnitContext, name: str, size: float, k: int = 1) -> float:
@@ -286,13 +289,13 @@ def _tp_phases_s(ctx: _UnitContext, name: str, lc: LayerCost, chosen: TPLayer | 
         phase = {"forward": 0.0, "backward": 0.0}
         for kind, when, per_sequence in chosen.collectives:
             if when != HIDDEN:
-                phase[when] += _collective_s(ctx, kind, per_sequence * st.micro_batch)
+                phase[when] += _collective_s(ctx, kind, per_sequence * st.micro_batch / st.cp)
         return phase["forward"], phase["backward"]
-    out = st.micro_batch * st.seq * profile.hidden * profile.act_bytes
+    out = st.rank_tokens * profile.hidden * profile.act_bytes
     if name == "embed":
         return _collective_s(ctx, "reduce_scatter" if sp else "all_reduce", out), 0.0
     if name == "head":
-        loss = _collective_s(ctx, "all_reduce", st.micro_batch * st.seq * 4, 3)
+        loss = _collective_s(ctx, "all_reduce", st.rank_tokens * 4, 3)
         if sp:
             return _collective_s(ctx, "all_gather", out) + loss, _collective_s(ctx, "reduce_scatter", out)
         return loss, _collective_s(ctx, "all_reduce", out)
@@ -319,25 +322,7 @@ def _loss_s(ctx: _UnitContext, name: str, chosen: TPLayer | None) -> tuple[float
         return 0.0, 0.0
     st = ctx.st
     share = chosen.local_params / lc.params if chosen is not None and lc.params else 1 / st.tp
-    return loss_time_s(st.micro_batch * st.seq * ctx.profile.vocab * share, ctx.device)
-
-
-def measured_timing(
-    measured: ComputeProfile | None, name: str, st: Strategy, compiled: bool
-) -> LayerTiming | None:
-    """A measured compute profile's timing of layer type ``name`` at ``st``'s micro-batch, seq,
-    TP width, sequence parallelism and dtype, compiled or eager, if it has one."""
-    if measured is None:
-        return None
-    return measured.timing(
-        name,
-        micro_batch=st.micro_batch,
-        seq=st.seq,
-        tp=st.tp,
-        sp=st.sequence_parallel,
-        dtype=st.dtype,
-        compiled=compiled,
-    )
+    return loss_time_s(st.rank_tokens * ctx.profile.vocab * share, ctx.device)
 
 
 def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
@@ -361,6 +346,7 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     loss_fwd, loss_bwd = _loss_s(ctx, name, chosen) if got is None else (0.0, 0.0)  # measured: timed with it
     fwd += loss_fwd
     tp_fwd, tp_bwd = _tp_phases_s(ctx, name, lc, chosen)
+    cp_fwd, cp_bwd = ctx.cp_s if name not in ("embed", "head") else (0.0, 0.0)
     ep_fwd, ep_bwd = ep_forward_s(lc, st, ctx.ep_link), ep_backward_s(lc, st, ctx.ep_link)
     redo_s, act, redo_flops = _redone(ctx, lc, choice, fwd, stream_share=share, measured=got)
     whole_block = choice == "full" or st.policy(choice) is not None  # its forward's collectives again
@@ -374,8 +360,9 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     if name == "head" and st.head_rank != 0:  # its own copy of a tied embedding (÷ t: vocab-parallel)
         dense += lc.tied_params / t
     params = dense + experts
-    tokens = st.micro_batch * st.seq
-    full = mem.layer_activation_bytes(
+    tokens = st.rank_tokens
+    kv = kv_extra_bytes(profile, st) if cp_fwd else 0.0  # cp: the gathered keys and values
+    full = kv + mem.layer_activation_bytes(
         lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes, expert_skew=skew(st)
     )
     return Unit(
@@ -385,10 +372,10 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
             params, tokens=tokens, device=ctx.device, dtype=st.dtype, backward_s=bwd - loss_bwd
         ),
         recompute_s=redo_s,
-        tp_s=(tp_fwd + ep_fwd) * (2 if whole_block else 1) + tp_bwd + ep_bwd,
+        tp_s=(tp_fwd + ep_fwd + cp_fwd) * (2 if whole_block else 1) + tp_bwd + ep_bwd + cp_bwd,
         ep_s=ep_fwd * (2 if whole_block else 1) + ep_bwd,
         expert_params=experts if st.ep > 1 else 0.0,
-        act_bytes=act,
+        act_bytes=act + (kv if choice == "none" else 0.0),
         deferred_bytes=mem.deferred_grad_bytes(lc, tp=t, sp=sp) + full - act,  # + what I rebuilt
         act_full_bytes=full,
         params=params,
@@ -456,9 +443,9 @@ def build_terms(
     blocks, embed, head = units or layer_units(profile, cluster, st, tp_layout)
     block_type = profile.layers[1]
     p, v, m = st.pp, st.virtual_stages, st.micro_batches
-    p2p_bytes = st.micro_batch * st.seq * profile.hidden * profile.act_bytes / t  # scatter/gather: ÷t
+    p2p_bytes = st.rank_tokens * profile.hidden * profile.act_bytes / t  # scatter/gather: ÷t
     pp_link = comm.group_link(cluster, st.dims.axis("pp"))
-    dp_link = comm.group_link(cluster, st.dims.axis("dp"))
+    dp_link = comm.group_link(cluster, st.dims.axis("dp_cp"))  # the ranks reducing gradients
     rank_params = (profile.blocks * blocks["none"].params + embed.params + head.params) / p  # DDP: p = 1
     ratio = blocks["none"].deferred_bytes / max(blocks["none"].act_bytes, 1.0)  # a block's G / A
     held = [
@@ -480,7 +467,7 @@ def build_terms(
         **dp_terms(profile, cluster, st, blocks["none"].params, rank_params),
         opt_s_per_param=optimizer_s_per_param(cluster, st) / (st.dp_shard if st.zero >= 1 else 1)
         + compress_s_per_param(cluster, st),
-        loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq, vocab=profile.vocab, tp=t),
+        loss_bytes=mem.loss_bytes(micro_batch=st.micro_batch, seq=st.seq // st.cp, vocab=profile.vocab, tp=t),
         buffers=mem.comm_buffer_bytes(
             st,
             block_params=blocks["none"].params,
@@ -488,7 +475,7 @@ def build_terms(
             p2p_bytes=p2p_bytes,
         ),
         reserve_bytes=reserve_bytes if reserve_bytes is not None else _default_reserve_bytes(cluster.device),
-        dp_crosses_nodes=dp_link.crosses_nodes and st.dp > 1,
+        dp_crosses_nodes=dp_link.crosses_nodes and st.dims.dp_cp > 1,
         tp_crosses_nodes=tp_link.crosses_nodes,
         **expert_factors(cluster, st),
     )

@@ -26,6 +26,7 @@ LAYERS = [
         "autopar.recompute_policy",
         "autopar.knobs",
         "autopar.mesh",
+        "autopar.splits",
         "autopar.strategy",
     ),
     ("autopar.plan", "autopar.request"),

@@ -11,6 +11,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models.estimate import stage_chunks
 from autopar.cost_models.rank_load import rank_load
 from autopar.errors import InfeasibleError
+from autopar.mesh import ParallelDims
 from autopar.plan import Plan, StagePlan, validate_plan
 from autopar.planner.pricing import Pricer
 from autopar.planner.profiles import ModelProfiles
@@ -128,7 +129,7 @@ def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) ->
     """Wrap a candidate as a Plan keyed by layer names; its per-operator TP table is solved on
     the graph captured at exactly the plan's micro-batch."""
     st, est = cand.strategy, cand.estimate
-    profile, cluster = pricer.profiles.at(st.micro_batch), pricer.cluster
+    profile, cluster = pricer.profiles.at(st.rank_sequences), pricer.cluster
     terms = pricer.terms(st)
     counts = st.blocks_per_rank(profile.blocks)
     edge = (profile.layer_names[0], profile.layer_names[-1])
@@ -156,7 +157,7 @@ def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) ->
         model=model,
         cluster=cluster.to_dict(),
         strategy=st,
-        mesh=(("pp", st.pp), ("dp", st.dp), ("tp", st.tp)),
+        mesh=(("pp", st.pp), ("dp", st.dp), *((("cp", st.cp),) if st.cp > 1 else ()), ("tp", st.tp)),
         crosses_nodes=st.dims.crossing(cluster.gpus_per_node),
         stages=tuple(stages),
         predicted=est.to_dict(),
@@ -174,7 +175,18 @@ def _no_strategy(request: PlanRequest, *, blocks: int, heads: int | None, expert
             f"--ep {c.ep} splits each MoE layer's routed experts, but this model has none run as grouped "
             "matmuls (torch._grouped_mm, Hugging Face's grouped experts); drop --ep"
         )
-    knobs = ("tp", "pp", "dp", "ep", "zero", "micro_batch", "schedule", "virtual_stages", "sequence_parallel")
+    knobs = (
+        "tp",
+        "pp",
+        "dp",
+        "cp",
+        "ep",
+        "zero",
+        "micro_batch",
+        "schedule",
+        "virtual_stages",
+        "sequence_parallel",
+    )
     fixed = [f"--{k.replace('_', '-')} {getattr(c, k)}" for k in knobs if getattr(c, k) is not None]
     tps = [t for t in _divisors(gpn) if world % t == 0 and (heads is None or heads % t == 0)]
     dps = sorted({world // (t * p) for t in tps for p in _divisors(world // t) if p <= blocks})
@@ -217,7 +229,7 @@ def check_constraints(c: Constraints, cluster: Cluster, *, blocks: int, heads: i
     """Reject fixed degrees that can never work, before searching."""
     if c.tp and heads is not None and heads % c.tp:
         raise StrategyError(f"tp={c.tp} does not divide {heads} heads")
-    fixed = (c.tp or 1) * (c.pp or 1) * (c.dp or 1)
+    fixed = ParallelDims(tp=c.tp or 1, pp=c.pp or 1, dp=c.dp or 1, cp=c.cp or 1).world_size
     if cluster.world_size % fixed:
         raise StrategyError(
             f"the fixed degrees multiply to {fixed}, which does not divide {cluster.world_size} GPUs"

@@ -15,13 +15,14 @@ from autopar.strategy import DDP_BUCKET_MB, runs_on_ddp
 
 
 def comm_knobs(
-    request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int, ep: int = 1
+    request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int, ep: int = 1, cp: int = 1
 ) -> Iterator[tuple[str, int, int, float]]:
     """(grad_reduce, dp_replicate, powersgd_rank, bucket_mb) worth pricing for these degrees
-    (expert parallelism runs on FSDP2 without HSDP: no DDP knob, one replica)."""
-    degrees = {"tp": tp, "pp": pp, "dp": dp, "zero": zero, "ep": ep}
+    (expert and context parallelism run without HSDP: one replica; the gradients of a cp plan
+    are reduced over dp·cp ranks, adjacent in the mesh, priced as a dp of that size)."""
+    degrees = {"tp": tp, "pp": pp, "dp": dp * cp, "zero": zero, "ep": ep}
     for reduce in _grad_reduces(request, **degrees):
-        for replicas in _replicas(request, tp=tp, dp=dp, zero=zero) if ep == 1 else [1]:
+        for replicas in _replicas(request, tp=tp, dp=dp, zero=zero) if ep == 1 and cp == 1 else [1]:
             for rank in _powersgd_ranks(request, **degrees, reduce=reduce):
                 for bucket in _buckets(request, **degrees):
                     yield reduce, replicas, rank, bucket

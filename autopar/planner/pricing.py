@@ -49,7 +49,7 @@ class Pricer:
     def estimate(self, st: Strategy) -> Estimate:
         """The cost model's estimate of ``st`` (its layout, or an even split)."""
         return estimate(
-            self.profiles.at(st.micro_batch),
+            self.profiles.at(st.rank_sequences),
             self.cluster,
             st,
             reserve_bytes=self.reserve_bytes,
@@ -58,11 +58,11 @@ class Pricer:
 
     def terms(self, st: Strategy) -> Terms:
         """The linear terms of ``st``'s outer knobs (``cost_models.terms``)."""
-        prof = self.profiles.at(st.micro_batch)
+        prof = self.profiles.at(st.rank_sequences)
         # what ``layer_units`` reads of the strategy (ep and skew: its all-to-alls, local experts
         # and the busiest rank's expert rows; the head's rank: its copy of a tied embedding)
         layout = (st.tp, st.sequence_parallel, st.tp_objective, st.micro_batch, st.policies, st.compile)
-        key = (*layout, st.ep, st.expert_skew, st.head_rank != 0)
+        key = (*layout, st.ep, st.expert_skew, st.head_rank != 0, st.cp)
         if key not in self._units:
             self._units[key] = layer_units(prof, self.cluster, st, self.layouts(st))
         return build_terms(prof, self.cluster, st, units=self._units[key], reserve_bytes=self.reserve_bytes)

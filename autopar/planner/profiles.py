@@ -131,7 +131,7 @@ class ModelProfiles:
         ``profile_at``'s came from the disk cache without it; ``key``: what names this model's
         captures in the disk cache (``spec_key``), None for a module (never cached)."""
         self._captured: dict[int, ModelProfile] = {}
-        self._derived: dict[int, ModelProfile] = {}
+        self._derived: dict[float, ModelProfile] = {}
         self._profile_at = profile_at
         self._capture_at = capture_at or profile_at
         self.key = key
@@ -155,10 +155,11 @@ class ModelProfiles:
             self._captured[micro_batch] = self._profile_at(micro_batch)
         return self._captured[micro_batch]
 
-    def at(self, micro_batch: int) -> ModelProfile:
-        """The profile at ``micro_batch``: captured at 1 and 2, derived exactly for the others."""
-        if micro_batch <= 2:
-            return self._exactly(micro_batch)
+    def at(self, micro_batch: float) -> ModelProfile:
+        """The profile at ``micro_batch``: captured at 1 and 2, derived exactly for the others
+        (a fraction too: a context-parallel rank's share, ``Strategy.rank_sequences``)."""
+        if micro_batch in (1, 2):
+            return self._exactly(int(micro_batch))
         if micro_batch not in self._derived:
             self._derived[micro_batch] = at_micro_batch(self._exactly(1), self._exactly(2), micro_batch)
         return self._derived[micro_batch]

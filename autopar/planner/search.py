@@ -86,9 +86,25 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _degrees(request: PlanRequest, blocks: int, heads: int | None) -> list[tuple[int, int, int]]:
-    """(tp, pp, dp) choices: TP inside a node dividing the heads, every PP that fits the blocks,
-    DP for the rest dividing the batch, as the constraints allow."""
+CP_MIN_POSITIONS = 4096
+"""The fewest positions per rank a free search splits a sequence into (cp > 1 only where
+s / cp ≥ this): context parallelism pays a K/V all-gather per block to cut activations and
+attention, which matter at long sequences; below 8,192 positions the search does not try it (its
+outer choices would double for plans it would not pick). ``--cp`` fixes any degree."""
+
+
+def _context_degrees(c: Constraints, *, seq: int, rest: int) -> list[int]:
+    """cp choices for ``rest`` GPUs left by tp·pp: the constraint's, else 1 and every cp dividing
+    them that cuts the sequence into 2·cp equal chunks of at least ``CP_MIN_POSITIONS`` / 2."""
+    if c.cp is not None:
+        return [c.cp] if rest % c.cp == 0 else []
+    return [k for k in _divisors(rest) if k == 1 or (seq % (2 * k) == 0 and seq // k >= CP_MIN_POSITIONS)]
+
+
+def _degrees(request: PlanRequest, blocks: int, heads: int | None) -> list[tuple[int, int, int, int]]:
+    """(tp, pp, cp, dp) choices: TP inside a node dividing the heads, every PP that fits the
+    blocks, CP where the sequence is long (``_context_degrees``), DP for the rest dividing the
+    batch, as the constraints allow."""
     c, world, gpn = request.constraints, request.cluster.world_size, request.cluster.gpus_per_node
     tps = (
         [c.tp]
@@ -100,10 +116,11 @@ def _degrees(request: PlanRequest, blocks: int, heads: int | None) -> list[tuple
         for pp in [c.pp] if c.pp else _divisors(world // tp):
             if pp > blocks or world % (tp * pp):
                 continue
-            dp = world // (tp * pp)
-            if (c.dp and dp != c.dp) or request.global_batch % dp:
-                continue
-            out.append((tp, pp, dp))
+            for cp in _context_degrees(c, seq=request.seq, rest=world // (tp * pp)):
+                dp = world // (tp * pp * cp)
+                if (c.dp and dp != c.dp) or request.global_batch % dp:
+                    continue
+                out.append((tp, pp, cp, dp))
     return out
 
 
@@ -184,7 +201,7 @@ def outer_knobs(
     only for the choices it prices), all with the same keys in the same order."""
     c = request.constraints
     out: list[dict[str, Any]] = []
-    for tp, pp, dp in _degrees(request, blocks, heads):
+    for tp, pp, cp, dp in _degrees(request, blocks, heads):
         per_replica = request.global_batch // dp
         # both where tp > 1: the per-operator layouts with and without SP issue different collectives
         sps = (
@@ -192,7 +209,7 @@ def outer_knobs(
         )
         compiles = [c.compile] if c.compile is not None else ["off", "block"]
         zeros = [c.zero] if c.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
-        eps = _expert_degrees(c, tp=tp, dp=dp, experts=experts)
+        eps = _expert_degrees(c, tp=tp, dp=dp, experts=experts) if cp == 1 else [1]
         # micro-batch sizes up to the largest tried (not every divisor of a huge batch)
         sizes = [c.micro_batch] if c.micro_batch else range(1, min(per_replica, c.max_micro_batch) + 1)
         for b in sizes:
@@ -208,6 +225,7 @@ def outer_knobs(
                     "tp": tp,
                     "pp": pp,
                     "dp": dp,
+                    "cp": cp,
                     "ep": ep,
                     "expert_skew": c.expert_skew,
                     "zero": zero,
@@ -219,9 +237,9 @@ def outer_knobs(
                     fixed
                     | {"grad_reduce": reduce, "dp_replicate": replicas, "powersgd_rank": rank}
                     | {"bucket_mb": bucket, "compile": compiled}
-                    | {"policies": policies if runs_with_policies(schedule, pp) else ()}
+                    | {"policies": policies if runs_with_policies(schedule, pp) and cp == 1 else ()}
                     for reduce, replicas, rank, bucket in comm_knobs(
-                        request, tp=tp, pp=pp, dp=dp, zero=zero, ep=ep
+                        request, tp=tp, pp=pp, dp=dp, zero=zero, ep=ep, cp=cp
                     )
                 )
     return measured_first(request.cluster, out)

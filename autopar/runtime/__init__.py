@@ -1,7 +1,7 @@
 """The runtime: a Plan applied to a model on this rank, as one straight sequence of steps that
 every plan runs through (a degree of 1 skips its step):
 
-    capture → tensor-parallel pass → expert-parallel pass → loss split → stage split
+    capture → tensor-parallel pass → context-parallel pass → expert-parallel pass → loss split → stage split
             → outline blocks (and their experts) → recompute → compile blocks → regather
             → data parallel (DDP / ZeRO-1 / FSDP2; experts over their own ranks) → allocate
             → optimizers → schedule
@@ -38,7 +38,7 @@ from autopar.runtime.distributed import (
     check_runnable,
     init_distributed,
 )
-from autopar.runtime.loss import LossFn, lm_loss, resolve_objective, tail_loss, whole_logits
+from autopar.runtime.loss import LossFn, context_loss, lm_loss, resolve_objective, tail_loss, whole_logits
 from autopar.runtime.model import ParallelModel
 from autopar.runtime.schedules import apply_schedule
 from autopar.runtime.sharding import (
@@ -52,6 +52,7 @@ from autopar.runtime.sharding import (
 from autopar.runtime.steps import (
     apply_capture,
     apply_compile,
+    apply_context_parallel,
     apply_expert_load,
     apply_expert_parallel,
     apply_loss_split,
@@ -95,6 +96,7 @@ def parallelize(
         agree_on_rng(mesh["tp"].get_group())  # replicated activations draw the same dropout masks
     objective = graph_objective(stages := apply_capture(model, plan), objective)
     apply_tensor_parallel(stages, plan, mesh["tp"])
+    apply_context_parallel(stages, plan, mesh)
     apply_expert_load(stages)
     apply_expert_parallel(stages, plan, mesh)
     apply_loss_split(stages, plan, objective)
@@ -107,8 +109,7 @@ def parallelize(
     fsdp = apply_data_parallel(stages, plan, mesh, half)
     apply_materialize(stages, on_meta)
     optimizer = apply_optimizer(stages, plan, optimizer_cls, optimizer_kwargs)
-    loss_fn = tail_loss(stages.loss_graph, stages.loss_kept) if stages.loss_graph is not None else loss_fn
-    loss_fn = whole_logits(loss_fn) if st.tp > 1 else loss_fn
+    loss_fn = _stage_loss(stages, plan, loss_fn)
     schedule = apply_schedule(stages, plan, mesh, loss_fn)
     params = rebind_tied(stages, tied)  # the parameters as FSDP2 left them
     return ParallelModel(
@@ -127,6 +128,15 @@ def parallelize(
         needs_weights=on_meta,
         counted=stages.counted,
     )
+
+
+def _stage_loss(stages: Any, plan: Plan, loss_fn: LossFn) -> LossFn:
+    """The loss the last stage takes: the model's own cut out of its graph (pp > 1), a cp rank's
+    share of next-token cross-entropy, on logits gathered whole under TP where it needs them."""
+    st = plan.strategy
+    loss_fn = tail_loss(stages.loss_graph, stages.loss_kept) if stages.loss_graph is not None else loss_fn
+    loss_fn = context_loss(loss_fn, stages.positions, st.cp) if stages.positions is not None else loss_fn
+    return whole_logits(loss_fn) if st.tp > 1 else loss_fn
 
 
 __all__ = [

@@ -111,6 +111,33 @@ def tail_loss(loss_graph: nn.Module, kept: int) -> LossFn:
     return loss
 
 
+def context_loss(loss_fn: LossFn, positions: torch.Tensor, cp: int) -> LossFn:
+    """Next-token cross-entropy under context parallelism: this rank's logits are those of its
+    positions (``passes.context_parallel``), so its targets are the next tokens of the whole
+    sequences at those positions (the last position has none), and its loss is its share of the
+    sequences' mean times cp — the gradients are averaged over dp·cp ranks, each with 1/cp of
+    the tokens: (1 / dp·cp) Σ cp · Σ_mine / N = the mean over each replica's N = b·(s − 1)
+    predictions, averaged over dp (``ParallelModel.mean_loss`` divides by the same ranks)."""
+    if loss_fn is not lm_loss:
+        raise AutoparError(
+            "context parallelism trains next-token cross-entropy on the logits (a rank holds part of each "
+            "sequence); this model's loss is its own or a custom one: plan cp 1, or return logits"
+        )
+
+    def loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
+        logits = output.logits if hasattr(output, "logits") else output
+        b, s = tokens.shape
+        ignore = torch.full((b, 1), -100, dtype=tokens.dtype, device=tokens.device)
+        targets = torch.cat([tokens[:, 1:], ignore], dim=1).index_select(1, positions.to(tokens.device))
+        flat = logits.flatten(0, 1)
+        if flat.dtype not in (torch.float32, torch.float64):
+            flat = flat.float()
+        total = F.cross_entropy(flat, targets.flatten(), ignore_index=-100, reduction="sum")
+        return total * (cp / (b * (s - 1)))
+
+    return loss
+
+
 def loss_of(model: nn.Module, tokens: torch.Tensor, loss_fn: LossFn | None = None) -> torch.Tensor:
     """The training loss of ``model`` (as written) on ``tokens`` (``resolve_objective``)."""
     objective, fn = resolve_objective(model, loss_fn)
@@ -142,6 +169,7 @@ def whole_logits(loss_fn: LossFn) -> LossFn:
 __all__ = [
     "LossFn",
     "RouterAuxLoss",
+    "context_loss",
     "lm_loss",
     "loss_of",
     "own_loss",

@@ -111,7 +111,7 @@ def apply_data_parallel(stages: Stages, plan: Plan, mesh: Any, half: torch.dtype
     stage. Returns whether FSDP2 shards the stages (it then casts parameters itself; otherwise
     the forward runs under autocast)."""
     st = plan.strategy
-    if st.dp == 1:
+    if st.dims.dp_cp == 1:
         return False
     if st.uses_ddp:  # the model as written (tp = pp = 1) at ZeRO 0–1
         from torch.nn.parallel import DistributedDataParallel
@@ -120,13 +120,17 @@ def apply_data_parallel(stages: Stages, plan: Plan, mesh: Any, half: torch.dtype
         # gradients as views of them: otherwise the buckets are a second copy of every gradient
         # (torch's DDP docs: the saving "will be equal to the total gradients size"), which the
         # cost model's two in-flight buckets (memory.comm_buffer_bytes) do not price
+        group = fsdp_mesh(plan, mesh).get_group()  # dp, or dp·cp under context parallelism
+        if st.cp > 1:  # each rank's own positions: not a buffer DDP broadcasts from rank 0
+            from autopar.passes.context_parallel import POSITIONS
+
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                stages.modules[0], [POSITIONS]
+            )
         ddp = DistributedDataParallel(
-            stages.modules[0],
-            process_group=mesh["dp"].get_group(),
-            gradient_as_bucket_view=True,
-            bucket_cap_mb=st.bucket_mb,
+            stages.modules[0], process_group=group, gradient_as_bucket_view=True, bucket_cap_mb=st.bucket_mb
         )
-        register_comm_hook(ddp, plan, mesh["dp"].get_group())
+        register_comm_hook(ddp, plan, group)
         stages.modules[0] = ddp
         return False
     for stage in stages.modules.values():

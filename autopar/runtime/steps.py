@@ -59,6 +59,8 @@ class Stages:
     the data-parallel ranks holding the same experts)."""
     counted: list[CountedLayer] = field(default_factory=list)
     """A captured model's MoE layers whose rows are counted (``passes.expert_load``)."""
+    positions: torch.Tensor | None = None
+    """cp > 1: this rank's positions of each sequence (its loss reads their targets)."""
 
     @property
     def count(self) -> int:
@@ -85,15 +87,16 @@ def capture_graph(model: nn.Module, plan: Plan) -> Stages:
     captured as the model computes then (``graph.meta.capture_as``); at dp = 1 the stages run
     under autocast, on the weights as they are."""
     st = plan.strategy
-    half = compute_dtype(model, plan) if st.dp > 1 else None
-    captured = capture_as(model, batch=st.micro_batch, seq=st.seq, dtype=half)
+    half = compute_dtype(model, plan) if st.dims.dp_cp > 1 else None
+    # under context parallelism a rank runs s / cp positions of each sequence (passes.context_parallel)
+    captured = capture_as(model, batch=st.micro_batch, seq=st.seq // st.cp, dtype=half)
     return Stages(modules={}, captured=captured, names=[layer.name for layer in captured.layers])
 
 
 def apply_capture(model: nn.Module, plan: Plan) -> Stages:
-    """tp, pp or ep > 1: ``capture_graph``. Otherwise the model itself, as written."""
+    """tp, pp, ep or cp > 1: ``capture_graph``. Otherwise the model itself, as written."""
     st = plan.strategy
-    as_written = st.tp == 1 and st.pp == 1 and st.ep == 1
+    as_written = st.tp == 1 and st.pp == 1 and st.ep == 1 and st.cp == 1
     return Stages(modules={0: model}) if as_written else capture_graph(model, plan)
 
 
@@ -113,6 +116,24 @@ def apply_tensor_parallel(stages: Stages, plan: Plan, tp_mesh: Any) -> None:
 
         gm, stages.partial = tensor_parallel_for_plan(stages.captured, plan, tp_mesh)
     stages.gm = fill_layers(gm)
+
+
+def apply_context_parallel(stages: Stages, plan: Plan, mesh: Any) -> None:
+    """cp > 1: this rank's positions of every sequence, attention over all of them
+    (``passes.context_parallel``); the positions are kept for the loss."""
+    st = plan.strategy
+    if st.cp == 1 or stages.gm is None:
+        return
+    from autopar.passes.context_parallel import POSITIONS, context_parallel
+
+    cp_mesh = mesh["cp"]
+    gm = context_parallel(
+        stages.gm, cp=st.cp, rank=cp_mesh.get_local_rank(), group=cp_mesh.get_group().group_name, seq=st.seq
+    )
+    positions = getattr(gm, POSITIONS).to(local_device())  # the tokens' device, as the runtime feeds them
+    gm.register_buffer(POSITIONS, positions, persistent=False)
+    stages.gm = fill_layers(gm)
+    stages.positions = positions
 
 
 def apply_expert_parallel(stages: Stages, plan: Plan, mesh: Any) -> None:
@@ -344,6 +365,7 @@ __all__ = [
     "TiedGroup",
     "apply_capture",
     "apply_compile",
+    "apply_context_parallel",
     "apply_outline_blocks",
     "apply_pipeline_split",
     "apply_recompute",

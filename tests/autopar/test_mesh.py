@@ -24,6 +24,7 @@ MESHES = [
     ParallelDims(pp=3, dp=2, tp=1, ep=2),
     ParallelDims(pp=1, dp=6, tp=2, dp_replicate=3),
     ParallelDims(pp=4, dp=1, tp=2),
+    ParallelDims(pp=2, dp=2, tp=2, cp=2),
 ]
 
 
@@ -145,8 +146,16 @@ def test_logical_axes_and_nodes() -> None:
     assert hsdp.axis("dp_replicate").crosses_nodes(8) and not hsdp.axis("dp_shard").crosses_nodes(8)
     st = Strategy(tp=2, pp=2, dp=4, ep=2, global_batch=8, micro_batch=1)
     assert st.dims == ParallelDims(pp=2, dp=4, tp=2, ep=2) and st.dims.axis("edp").stride == 4
-    with pytest.raises(KeyError, match="no mesh axis 'cp'"):
-        plain.axis("cp")
+    assert plain.axis("cp").size == 1 and plain.axis("dp_cp") == plain.axis("dp").__class__("dp_cp", 4, 2)
+    context = ParallelDims(pp=2, dp=2, cp=2, tp=2)  # cp between dp and tp, its gradient group dp·cp
+    assert context.mesh_dims == (("pp", 2), ("dp", 2), ("cp", 2), ("tp", 2)) and context.fsdp_dims == (
+        "dp_cp",
+    )
+    assert context.group(5, "cp") == [5, 7] and context.group(5, "dp_cp") == [1, 3, 5, 7]
+    with pytest.raises(KeyError, match="no mesh axis 'sp'"):
+        plain.axis("sp")
+    with pytest.raises(ValueError, match="cp 2 runs without HSDP"):
+        ParallelDims(dp=4, cp=2, dp_replicate=2)
     with pytest.raises(ValueError, match="dp 4 must split"):
         ParallelDims(dp=4, ep=2, dp_replicate=2)
     assert [partner(r, 2) for r in range(8)] == [2, 3, 0, 1, 6, 7, 4, 5]
