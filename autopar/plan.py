@@ -236,6 +236,12 @@ class Plan:
                 else ""
             )
             + _expert_note(st, self.predicted)
+            + (
+                f"; context parallel {st.cp}: each sequence as {2 * st.cp} chunks of "
+                f"{st.seq // (2 * st.cp)}, K/V all-gathered, gradients reduced over dp·cp = {st.dims.dp_cp}"
+                if st.cp > 1
+                else ""
+            )
             + (f"; DDP buckets of {st.bucket_mb:g} MiB" if st.uses_ddp else "")
             + ("; each block compiled (torch.compile)" if st.compile == "block" else ""),
         ]

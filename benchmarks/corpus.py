@@ -164,6 +164,7 @@ def _strategy(layout: dict[str, Any]) -> Strategy:
         virtual_stages=int(layout.get("virtual_stages", 1) or 1),
         sequence_parallel=bool(layout.get("sequence_parallel", False)),
         ep=int(layout.get("ep", 1) or 1),
+        cp=int(layout.get("cp", 1) or 1),
         grad_reduce=str(layout.get("grad_reduce", "fp32")),
         dp_replicate=dp // int(shard) if shard else 1,
     )
@@ -238,7 +239,7 @@ def predictor(row: Row) -> Callable[[Cluster], float]:
     st = priced_strategy(row)
     reference = dataclasses.replace(row.cluster, device=dataclasses.replace(row.cluster.device, **REFERENCE))
     layout = Pricer(profs, reference, dtype="bf16").layouts(st)
-    prof = profs.at(st.micro_batch)
+    prof = profs.at(st.rank_sequences)
     return lambda cluster: estimate(prof, cluster, st, tp_layout=layout).step_time_s
 
 

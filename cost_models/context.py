@@ -7,16 +7,15 @@ whole sequences: tokens b·s/cp for every token-wise operator, (b/cp)·s² for a
 profile at micro-batch b / cp (``cost_models.micro_batch``, affine in the micro-batch), which the
 planner prices (``Strategy.rank_tokens``). What that profile lacks is priced here:
 
-- Keys and values all-gathered before attention, per block and micro-batch: the tensors
-  ``scaled_dot_product_attention`` reads, (b, heads/t, s, head_dim) each, so
-  2·b·s·(heads·head_dim)/t elements; with the query width (heads·head_dim = hidden for the
-  models the zoo holds, as K and V reach attention repeated to the query heads), 2·b·s·h/t
-  elements. The gather is on the critical path (attention waits for it; Llama 3 left it exposed
-  too, Dubey et al. 2024 §3.3.2), and its backward reduce-scatters their gradients, as many bytes.
-  Full recompute gathers again.
-- Memory: attention keeps the gathered K and V for backward instead of the local ones:
-  2·b·s·h/t·(1 − 1/cp) more elements per block kept (none), or rebuilt one block at a time
-  (selective and full recompute rebuild the attention).
+- Keys and values all-gathered before attention, per block and micro-batch, as they are before a
+  grouped-query repeat (``graph.attention.unrepeated``): (b, kv_heads/t, s, head_dim) each, so
+  2·b·s·w/t elements with w = kv_heads·head_dim (``ModelProfile.kv_width``; Llama 3 405B: 1,024
+  of its 16,384 channels). The gather is on the critical path (attention waits for it; Llama 3
+  left it exposed too, Dubey et al. 2024 §3.3.2), and its backward reduce-scatters their
+  gradients, as many bytes. Full recompute gathers again.
+- Memory: attention keeps the whole sequence's keys and values, repeated to the query heads,
+  instead of the local ones: 2·b·s·h/t·(1 − 1/cp) more elements per block kept (none), or
+  rebuilt one block at a time (selective and full recompute rebuild the attention).
 """
 
 from __future__ import annotations
@@ -28,7 +27,21 @@ from autopar.strategy import Strategy
 
 
 def kv_gathered_bytes(profile: ModelProfile, st: Strategy) -> float:
-    """Bytes of keys and values one rank gathers per block per micro-batch: 2·b·s·h/t·act bytes."""
+    """Bytes of keys and values one rank gathers per block per micro-batch: 2·b·s·w/t·act bytes,
+    w the key/value heads × head dim before a grouped-query repeat (``ModelProfile.kv_width``;
+    h where no attention was found), at least one head's worth per TP rank where t exceeds the
+    key/value heads (they are then replicated)."""
+    if st.cp == 1:
+        return 0.0
+    width = profile.kv_width or profile.hidden
+    heads = profile.heads or 1
+    head_dim = profile.hidden / heads
+    return 2.0 * st.micro_batch * st.seq * max(width / st.tp, head_dim) * profile.act_bytes
+
+
+def kv_repeated_bytes(profile: ModelProfile, st: Strategy) -> float:
+    """Bytes of the gathered keys and values once repeated to the query heads (what attention
+    reads and keeps for backward): 2·b·s·h/t·act bytes (h = query heads × head dim)."""
     if st.cp == 1:
         return 0.0
     return 2.0 * st.micro_batch * st.seq * profile.hidden / st.tp * profile.act_bytes
@@ -48,9 +61,11 @@ def cp_phases_s(profile: ModelProfile, cluster: Cluster, st: Strategy) -> tuple[
 
 
 def kv_extra_bytes(profile: ModelProfile, st: Strategy) -> float:
-    """Activation bytes a block keeps beyond the profile at b / cp: the gathered keys and
-    values in place of the local ones, (1 − 1/cp) of ``kv_gathered_bytes``."""
-    return kv_gathered_bytes(profile, st) * (1 - 1 / st.cp)
+    """Activation bytes a block keeps beyond the profile at b / cp: attention keeps the whole
+    sequence's keys and values, repeated to the query heads, in place of the local ones:
+    (1 − 1/cp) of ``kv_repeated_bytes`` (the gathered ones they were repeated from are not
+    kept: the repeat's backward needs no input)."""
+    return kv_repeated_bytes(profile, st) * (1 - 1 / st.cp)
 
 
-__all__ = ["cp_phases_s", "kv_extra_bytes", "kv_gathered_bytes"]
+__all__ = ["cp_phases_s", "kv_extra_bytes", "kv_gathered_bytes", "kv_repeated_bytes"]

@@ -143,6 +143,9 @@ class ModelProfile:
     """Name of each layer in order (``embed``, ``blocks.0``, …, ``head``)."""
     total_params: int
     """Unique parameters of the model."""
+    kv_width: int | None = None
+    """Key/value heads × head dim attention reads before a grouped-query repeat (what context
+    parallelism exchanges, ``cost_models.context``); None: no attention found (priced as h)."""
     captured: CapturedModel | None = dataclasses.field(default=None, compare=False, repr=False)
     """The annotated graph this profile summarises (the planner chooses per-operator
     tensor-parallel strategies on it); None for hand-built profiles."""
@@ -261,6 +264,7 @@ class ModelProfile:
             seq=s,
             hidden=h,
             heads=cap.attention_heads,
+            kv_width=cap.kv_width,
             vocab=vocab,
             act_bytes=elem_bytes_of(dtype),
             layer_types=types,

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from autopar.errors import AutoparError
+from autopar.graph.attention import SDPA, unrepeated
 from autopar.passes.tp_collectives import waited
 
 aten = torch.ops.aten
@@ -76,13 +77,13 @@ class _GatherSeq(torch.autograd.Function):
         seq = x.shape[dim] * cp
         slots = gathered_positions(cp, seq).to(x.device)
         ctx.dim, ctx.group, ctx.slots = dim, group, slots
-        out = waited(funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group))
+        out = waited(funcol.all_gather_single(x.contiguous(), gather_dim=dim, group=group))
         return out.index_select(dim, torch.argsort(slots))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         ranked = g.index_select(ctx.dim, ctx.slots).contiguous()
-        out = waited(funcol.reduce_scatter_tensor(ranked, "sum", scatter_dim=ctx.dim, group=ctx.group))
+        out = waited(funcol.reduce_scatter_single(ranked, "sum", scatter_dim=ctx.dim, group=ctx.group))
         return out, None, None, None
 
 
@@ -108,13 +109,20 @@ def cp_attention(
     group: str,
     rank: int,
     cp: int,
+    repeat: int = 1,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` of this rank's queries (…, s / cp, d) over the whole
     sequence's keys and values: gathered, then for each of the rank's two chunks g the keys of
     positions < (g + 1)·c, the last c of them under a causal mask (lower-right: the chunk's
-    queries are the last c positions of those keys)."""
+    queries are the last c positions of those keys). ``repeat``: k and v are the model's keys
+    and values before a grouped-query repeat, repeated here once gathered."""
     dim = q.dim() - 2
     keys, values = gather_sequence(k, dim, group, cp), gather_sequence(v, dim, group, cp)
+    if repeat > 1:  # the model's grouped-query repeat, after the gather (``graph.attention``)
+        keys, values = (
+            keys.repeat_interleave(repeat, dim=dim - 1),
+            values.repeat_interleave(repeat, dim=dim - 1),
+        )
     c = q.shape[dim] // 2
     outs = []
     for j, g in enumerate(rank_chunks(rank, cp)):
@@ -144,7 +152,6 @@ def lower_right_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
-SDPA = aten.scaled_dot_product_attention.default
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
@@ -300,11 +307,16 @@ def _is_causal(gm: fx.GraphModule, n: fx.Node, local: int) -> bool:
 
 def _attention(n: fx.Node, causal: bool, **where: Any) -> None:
     """Replace one scaled_dot_product_attention by ``cp_attention`` (its mask dropped: causal
-    or full, as ``_is_causal`` read it)."""
+    or full, as ``_is_causal`` read it), on the keys and values before a grouped-query repeat
+    where the model repeats them (``graph.attention.unrepeated``): those are what is gathered."""
     bound = dict(zip(SDPA_ARGS, n.args, strict=False)) | dict(n.kwargs)
+    (key, rep), (value, rep_v) = unrepeated(bound["key"]), unrepeated(bound["value"])
+    if rep != rep_v:
+        (key, rep), value = (bound["key"], 1), bound["value"]
     n.target = cp_attention
-    n.args = (bound["query"], bound["key"], bound["value"])
+    n.args = (bound["query"], key, value)
     n.kwargs = {
+        "repeat": rep,
         "causal": causal,
         "scale": bound.get("scale"),
         "enable_gqa": bool(bound.get("enable_gqa", False)),

@@ -178,7 +178,8 @@ def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
 def _print_estimate(console: Console, model: str, cluster: Any, st: Any, est: Any) -> None:
     console.print(
         f"[bold]{model}[/bold] on {cluster.num_nodes}× {cluster.name} ({cluster.world_size} GPUs): "
-        f"tp {st.tp} · pp {st.pp} · dp {st.dp}, ZeRO-{st.zero}, micro-batch {st.micro_batch} × "
+        f"tp {st.tp} · pp {st.pp} · dp {st.dp}{f' · cp {st.cp}' if st.cp > 1 else ''}, ZeRO-{st.zero}, "
+        f"micro-batch {st.micro_batch} × "
         f"{st.micro_batches}, global batch {st.global_batch}, seq {st.seq}, {st.schedule}"
         f"{f' v={st.virtual_stages}' if st.virtual_stages > 1 else ''}, recompute {st.recompute}"
         f"{', SP' if st.sequence_parallel else ''}"

@@ -15,6 +15,7 @@ from torch import nn
 
 from autopar.errors import AutoparError, CaptureError
 from autopar.graph.annotate import annotate_costs
+from autopar.graph.attention import kv_width
 from autopar.graph.layers import Layer, find_layer_container, group_layers
 from autopar.graph.objective import objective_of, without_cache
 from autopar.graph.trace import (
@@ -73,6 +74,9 @@ class CapturedModel:
     """Width of the residual stream (last dim of what the first block reads), if found."""
     attention_heads: int | None = None
     """Query heads of the first attention op, if the model has one."""
+    kv_width: int | None = None
+    """Key/value heads × head dim the first attention reads before a grouped-query repeat
+    (``graph.attention.kv_width``), if the model has one."""
     capture_s: float = field(default=0.0, compare=False)
     """Wall time of the capture in seconds."""
 
@@ -167,6 +171,7 @@ def capture(
     return CapturedModel(
         hidden_size=_hidden_size(gm),
         attention_heads=_attention_heads(gm, seq),
+        kv_width=kv_width(gm),
         gm=gm,
         layers=layers,
         batch=batch,

@@ -44,7 +44,7 @@ from autopar.errors import AutoparError
 from autopar.measure.saved import PeakMode, held, tensors
 from autopar.plan import Plan
 
-AXES = ("tp", "ep", "edp", "dp_shard", "dp_replicate", "dp", "pp", "stage")
+AXES = ("tp", "cp", "ep", "edp", "dp_shard", "dp_replicate", "dp", "dp_cp", "pp", "stage")
 """The names a collective's group goes by, the most specific first where two are the same
 ranks (EP over all of dp is "ep"): the plan's mesh dims, its flattened dims, and a stage."""
 

@@ -219,7 +219,8 @@ def _infeasible(
     need, st = leanest[0]
     return InfeasibleError(
         f"no plan fits in {request.capacity_bytes / 2**30:.1f} GiB per GPU: the leanest tried (tp {st.tp}, "
-        f"pp {st.pp}, dp {st.dp}, ZeRO-{st.zero}, micro-batch {st.micro_batch}, recompute {st.recompute}) "
+        f"pp {st.pp}, dp {st.dp}{f', cp {st.cp}' if st.cp > 1 else ''}, ZeRO-{st.zero}, "
+        f"micro-batch {st.micro_batch}, recompute {st.recompute}) "
         f"needs {need / 2**30:.1f} GiB; add GPUs (--nodes), use a shorter --seq, or allow ZeRO-3, full "
         "recompute and micro-batch 1"
     )

@@ -56,6 +56,10 @@ class LlamaConfig:
     """Rotary base frequency."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    rope_scaling: float = 1.0
+    """Llama 3.1's rotary frequency scaling factor for long context (8 for its 131,072 positions,
+    from an original 8,192; 1: none). Meta's ``apply_scaling``: wavelengths above 8192 / 1 are
+    divided by it, below 8192 / 4 kept, smoothly between (``zoo.llama.rope_tables``)."""
 
     def __post_init__(self) -> None:
         if self.dim % self.n_head or self.n_head % self.n_kv_head:

@@ -91,10 +91,24 @@ def rope_tables(cfg: LlamaConfig, head_dim: int | None = None) -> tuple[torch.Te
     unless given)."""
     head_dim = head_dim or cfg.dim // cfg.n_head
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    if cfg.rope_scaling != 1.0:
+        inv_freq = llama31_scaled(inv_freq, cfg.rope_scaling)
     t = torch.arange(cfg.max_seq_len).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
+
+
+def llama31_scaled(inv_freq: torch.Tensor, factor: float, *, original: int = 8192) -> torch.Tensor:
+    """Llama 3.1's rotary frequencies for long context (Meta's ``apply_scaling``, low and high
+    frequency factors 1 and 4): wavelengths longer than ``original`` / 1 slowed by ``factor``,
+    shorter than ``original`` / 4 kept, interpolated between."""
+    low, high = original / 1.0, original / 4.0
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = (original / wavelen - 1.0) / (4.0 - 1.0)
+    mixed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low, inv_freq / factor, mixed)
+    return torch.where(wavelen < high, inv_freq, out)
 
 
 class Llama(nn.Module):

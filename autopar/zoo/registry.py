@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,10 +41,19 @@ _MEGATRON = "Narayanan et al. SC'21 Table 1, V=51200, s=2048"
 _LLAMA3 = "Llama 3 (Dubey et al. 2024, Table 3)"
 
 
-def _llama(name: str, layers: int, dim: int, heads: int, ffn: int) -> ZooEntry:
-    """Llama 3: 8 key/value heads, V=128256, RoPE θ=500000 at every size."""
+_LLAMA31 = (
+    "Llama 3.1 (Dubey et al. 2024, Table 3; 131,072 positions after the long-context stage, §3.4.2; "
+    "rotary scaling 8 as in Meta's model code)"
+)
+
+
+def _llama(name: str, layers: int, dim: int, heads: int, ffn: int, *, long: bool = False) -> ZooEntry:
+    """Llama 3: 8 key/value heads, V=128256, RoPE θ=500000 at every size; ``long``: Llama 3.1,
+    the same shapes at 131,072 positions."""
     cfg = LlamaConfig(n_layer=layers, dim=dim, n_head=heads, n_kv_head=8, ffn_dim=ffn)
-    return ZooEntry(name=name, family="llama", config=cfg, source=_LLAMA3)
+    if long:
+        cfg = dataclasses.replace(cfg, max_seq_len=131072, rope_scaling=8.0)
+    return ZooEntry(name=name, family="llama", config=cfg, source=_LLAMA31 if long else _LLAMA3)
 
 
 ZOO: dict[str, ZooEntry] = {
@@ -67,6 +77,9 @@ ZOO: dict[str, ZooEntry] = {
         _llama("llama3-8b", 32, 4096, 32, 14336),
         _llama("llama3-70b", 80, 8192, 64, 28672),
         _llama("llama3-405b", 126, 16384, 128, 53248),
+        _llama("llama3.1-8b", 32, 4096, 32, 14336, long=True),
+        _llama("llama3.1-70b", 80, 8192, 64, 28672, long=True),
+        _llama("llama3.1-405b", 126, 16384, 128, 53248, long=True),
         ZooEntry(
             name="mixtral-8x7b",
             family="mixtral",

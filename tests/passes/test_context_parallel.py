@@ -72,9 +72,10 @@ def test_pass_rewrites_positions_and_attention() -> None:
     assert torch.ops.aten.scaled_dot_product_attention.default not in targets
     selects = [n for n in gm.graph.nodes if n.target == torch.ops.aten.index_select.default]
     assert {str(n.args[0]) for n in selects} == {"tokens", "rope_cos", "rope_sin"}
-    assert all(
-        n.kwargs["causal"] and n.kwargs["rank"] == 1 for n in gm.graph.nodes if n.target is cpp.cp_attention
-    )
+    attentions = [n for n in gm.graph.nodes if n.target is cpp.cp_attention]
+    assert all(n.kwargs["causal"] and n.kwargs["rank"] == 1 for n in attentions)
+    # keys and values gathered before the grouped-query repeat (2 kv heads → 4 query heads)
+    assert all(n.kwargs["repeat"] == 2 and n.args[1].meta["val"].shape[1] == 2 for n in attentions)
     assert torch.equal(getattr(gm, cpp.POSITIONS), torch.tensor([6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]))
 
 
@@ -83,8 +84,8 @@ def test_hugging_face_mask_is_read_as_causal() -> None:
     from autopar.zoo import hf
 
     gm = cpp.context_parallel(_captured(hf.llama(seq=64), 24, 2), cp=2, rank=0, group="g", seq=24)
-    kinds = [n.kwargs["causal"] for n in gm.graph.nodes if n.target is cpp.cp_attention]
-    assert kinds == [True, True]
+    kinds = [(n.kwargs["causal"], n.kwargs["repeat"]) for n in gm.graph.nodes if n.target is cpp.cp_attention]
+    assert kinds == [(True, 2), (True, 2)]
     assert not any(n.target == torch.ops.aten.arange.default and n.args == (12,) for n in gm.graph.nodes)
 
 
