@@ -212,6 +212,11 @@ class Strategy:
                 f"cp {self.cp} splits each sequence into 2·cp = {2 * self.cp} equal chunks: "
                 f"seq {self.seq} is not a multiple of it"
             )
+        if self.cp > 1 and self.policies:
+            raise StrategyError(
+                f"cp {self.cp} runs without per-operator recompute policies (they name a block's calls as "
+                "captured whole; context parallelism changes its attention's): use none, selective or full"
+            )
         if self.cp > 1 and (self.ep > 1 or self.dp_replicate > 1):
             raise StrategyError(
                 f"cp {self.cp} runs without expert parallelism and HSDP (got ep {self.ep}, "

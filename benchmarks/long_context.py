@@ -157,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"Llama 3 405B, 131,072 positions, 16,384 H100, TP8 CP16 PP16 DP8: measured "
         f"{m['measured_tflops_per_gpu']:.0f} TFLOP/s per GPU, predicted {m['predicted_tflops_per_gpu']:.0f} "
-        f"(throughput error {m['error']:+.1%}; the fitted constants are the same with the row held out)"
+        f"(throughput error {m['error']:+.1%}, at the shipped constants: the corpus fit gives the same "
+        "with or without this row)"
     )
     print(
         f"  free plan: {m['plan']}: {m['plan_step_s']:.2f} s per step vs "

@@ -222,18 +222,20 @@ def _why_table(plan: Plan) -> str:
     for label, c in [*labelled, *plan.why.get("baselines", {}).items()]:
         if c is None:
             rows.append(
-                f"<td>{html.escape(label)}</td>" + "<td>-</td>" * 6 + "<td>does not fit</td><td></td>"
+                f"<td>{html.escape(label)}</td>" + "<td>-</td>" * 7 + "<td>does not fit</td><td></td>"
             )
             continue
         st = c["strategy"]
         sched = st["schedule"] + (f" v={st['virtual_stages']}" if st["virtual_stages"] > 1 else "")
-        degrees = "".join(f"<td>{st[k]}</td>" for k in ("tp", "pp", "dp", "zero", "micro_batch"))
+        degrees = "".join(f"<td>{st.get(k, 1)}</td>" for k in ("tp", "pp", "dp", "cp", "zero", "micro_batch"))
         versus = "tied (within the band)" if c.get("tied") else f"{c['slower_by']:.2f}× slower"
         rows.append(
             f"<td>{html.escape(label)}</td>{degrees}<td>{html.escape(sched)}</td>"
             f"<td>{c['step_time_s']:.4g}</td><td>{versus}</td>"
         )
-    return _table(["", "tp", "pp", "dp", "zero", "micro-batch", "schedule", "step s", "vs chosen"], rows)
+    return _table(
+        ["", "tp", "pp", "dp", "cp", "zero", "micro-batch", "schedule", "step s", "vs chosen"], rows
+    )
 
 
 def _run_table(plan: Plan, steps: list[dict[str, Any]]) -> str:

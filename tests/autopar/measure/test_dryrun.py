@@ -338,3 +338,30 @@ def test_per_operator_recompute_runs_off_zero_bubble_and_is_refused_on_it() -> N
         make_gpt, batch=BATCH, seq=SEQ, micro_batch=1, pp=2, schedule="zbv", recompute=("sac", "full")
     )
     assert not zb.strategy.policies and all(s.recompute_summary == "2 full" for s in zb.stages)
+
+
+def test_a_simulated_cp_rank_gathers_the_keys_and_values_the_cost_model_priced() -> None:
+    """cp 2 × dp 2 at ZeRO-3 on a tiny Llama (2 key/value heads for 4 query heads), simulated:
+    per block and micro-batch one all-gather of K and one of V over cp, handed this rank's half,
+    and their reduce-scatters in backward, handed the whole — the bytes
+    ``cost_models.context.kv_gathered_bytes`` prices at the keys' width before the repeat."""
+    from autopar.cost_models.context import kv_gathered_bytes
+    from autopar.zoo import Llama, LlamaConfig
+    from tests.conftest import profiles_of
+
+    cfg = LlamaConfig(n_layer=2, dim=48, n_head=4, n_kv_head=2, ffn_dim=96, vocab_size=80, max_seq_len=64)
+
+    def make_llama() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return Llama(cfg)
+
+    seq = 40  # 10 positions a chunk: no dim of the model is 20 long
+    plan = plan_for(make_llama, batch=BATCH, seq=seq, gpus=4, cp=2, dp=2, zero=3, micro_batch=1)
+    st = plan.strategy
+    run = dry_run(make_llama, plan, 0)
+    assert run.ok, run.failure
+    calls = 2 * cfg.n_layer * st.micro_batches  # K and V per block per micro-batch
+    whole = kv_gathered_bytes(profiles_of(make_llama, dtype="fp32", seq=seq).at(1), st) * st.micro_batches
+    assert whole == 2 * st.micro_batches * seq * 2 * 12 * 4  # b·s·(2 heads × 12) per K, V in fp32
+    assert run.collectives["all_gather_into_tensor over cp"] == (calls, whole * cfg.n_layer / st.cp)
+    assert run.collectives["reduce_scatter_tensor over cp"] == (calls, whole * cfg.n_layer)

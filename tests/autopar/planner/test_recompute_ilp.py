@@ -125,7 +125,7 @@ def test_memory_tight_llama3_8b_plans_a_per_operator_policy() -> None:
     """Llama-3 8B, 8 H100, FSDP (ZeRO-3) micro-batch 2 at seq 8192: without recompute it does
     not fit; the plan keeps matmul outputs per block and is predicted faster than full recompute
     and than the best mix of none, selective and full."""
-    fixed = {"tp": 1, "pp": 1, "cp": 1, "zero": 3, "micro_batch": 2}  # (cp 2 would halve the activations)
+    fixed = {"tp": 1, "pp": 1, "cp": 1, "zero": 3, "micro_batch": 2}
     profiles = ModelProfiles.of("llama3-8b", dtype="bf16", seq=8192)
 
     def plan(allowed: tuple[str, ...]) -> Plan:

@@ -1,7 +1,7 @@
 """Context parallelism (``passes.context_parallel``) against one process: a causal Llama-style
 zoo model and Hugging Face's Llama, unmodified, at cp 2 alone (DDP and ZeRO-3 over the cp ranks)
-and with TP, with ZeRO-3 data parallelism and with a pipeline; a wrong causal mask offset on the
-second chunk fails the verdict."""
+and with TP, with ZeRO-3 data parallelism, with a pipeline and with full recompute; a wrong
+causal mask offset on the second chunk fails the verdict."""
 
 from __future__ import annotations
 
@@ -73,12 +73,27 @@ def test_cp2_matches_one_process_and_a_wrong_mask_fails(tmp_path) -> None:
 
 
 def test_cp2_composes_with_tp_dp_and_pp(tmp_path) -> None:
+    knobs = {
+        "cp2 × tp2": dict(tp=2, dp=1, sequence_parallel=True),
+        "cp2 × dp2 ZeRO-3": dict(dp=2, zero=3, micro_batch=1),
+        "cp2 × pp2": dict(pp=2, dp=1, micro_batch=1),
+    }
+    hf_plans = {
+        f"HF {k}": plan_for(hf_llama, batch=BATCH, seq=SEQ, gpus=4, cp=2, **v) for k, v in knobs.items()
+    }
     plans = {
         "cp2 × tp2": plan_for(llama, batch=BATCH, seq=SEQ, gpus=4, cp=2, tp=2, dp=1, sequence_parallel=True),
         "cp2 × dp2 ZeRO-3": plan_for(llama, batch=BATCH, seq=SEQ, gpus=4, cp=2, dp=2, zero=3, micro_batch=1),
         "cp2 × pp2": plan_for(llama, batch=BATCH, seq=SEQ, gpus=4, cp=2, pp=2, dp=1, micro_batch=1),
+        # the gather runs again in each recomputed block's forward
+        "cp2 × dp2 full recompute": plan_for(
+            llama, batch=BATCH, seq=SEQ, gpus=4, cp=2, dp=2, zero=2, micro_batch=1, recompute=("full",)
+        ),
     }
-    verdicts = _verdicts([(llama, plan, None) for plan in plans.values()], tmp_path)
-    for (name, plan), v in zip(plans.items(), verdicts, strict=True):
+    cases = [(llama, plan, None) for plan in plans.values()] + [
+        (hf_llama, p, None) for p in hf_plans.values()
+    ]
+    verdicts = _verdicts(cases, tmp_path)
+    for (name, plan), v in zip([*plans.items(), *hf_plans.items()], verdicts, strict=True):
         print(f"{name} ({plan.text().splitlines()[0]}): grad error {v.max_grad_error:.1e}")
         assert v.passed, (name, v.first_failure)
