@@ -32,7 +32,7 @@ from autopar.measure.verdict import Trace, Verdict, as_trace, judge, with_dropou
 from autopar.plan import Plan
 from autopar.runtime import check_runnable
 from autopar.runtime.distributed import check_model
-from autopar.runtime.loss import loss_of
+from autopar.runtime.loss import loss_of, resolve_objective
 from autopar.zoo.spec import build_model
 
 
@@ -144,6 +144,7 @@ def verify_plan(
     make = functools.partial(build_model, spec)
     model = model_for_check(make, arithmetic_of(st.dtype))
     check_model(model, plan)  # one line now, not a traceback from every worker
+    resolve_objective(model, resolve_loss(loss_spec), pp=st.pp, cp=st.cp)  # the loss the plan can train
     _check_memory(sum(p.numel() * p.element_size() for p in model.parameters()), nproc, steps)
     del model
     data = torch.randint(

@@ -90,7 +90,7 @@ def parallelize(
     on_meta = any(p.is_meta for p in model.parameters())
     half = compute_dtype(model, plan)
     aliases = tied_names(model)  # before the TP pass replaces parameters
-    objective, loss_fn = resolve_objective(model, loss_fn, pp=st.pp)
+    objective, loss_fn = resolve_objective(model, loss_fn, pp=st.pp, cp=st.cp)
     mesh = make_mesh(plan, timeout_s)
     if st.tp > 1:
         agree_on_rng(mesh["tp"].get_group())  # replicated activations draw the same dropout masks

@@ -79,12 +79,27 @@ def own_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
     return model_loss(output)
 
 
-def resolve_objective(model: nn.Module, loss_fn: LossFn | None, *, pp: int = 1) -> tuple[Objective, LossFn]:
+def resolve_objective(
+    model: nn.Module, loss_fn: LossFn | None, *, pp: int = 1, cp: int = 1
+) -> tuple[Objective, LossFn]:
     """How ``model`` is fed and its loss taken: ``loss_fn`` on its output for tokens alone where
     one is given; else its own loss where it computes one (``objective_of``), else ``lm_loss``
     (plus a Hugging Face MoE's router loss where its config asks for it: ``router_aux_loss``);
     with ``use_cache=False`` where the forward takes it (``without_cache``). ``pp``: the plan's
-    pipeline depth (the router loss needs every layer's router logits on one rank)."""
+    pipeline depth (the router loss needs every layer's router logits on one rank); ``cp``: its
+    context-parallel degree (a rank holds part of each sequence: next-token cross-entropy on the
+    logits only, ``context_loss``)."""
+    objective, fn = _objective(model, loss_fn, pp)
+    if cp > 1 and fn is not lm_loss:
+        raise AutoparError(
+            f"context parallelism (cp {cp}) trains next-token cross-entropy on the logits, a rank "
+            f"holding part of each sequence; {type(model).__name__} is trained on its own or a custom "
+            "loss: plan cp 1, or train it on its logits"
+        )
+    return objective, fn
+
+
+def _objective(model: nn.Module, loss_fn: LossFn | None, pp: int) -> tuple[Objective, LossFn]:
     if loss_fn is not None:
         return without_cache(model, LOGITS), loss_fn
     objective = objective_of(model)
@@ -118,11 +133,8 @@ def context_loss(loss_fn: LossFn, positions: torch.Tensor, cp: int) -> LossFn:
     sequences' mean times cp — the gradients are averaged over dp·cp ranks, each with 1/cp of
     the tokens: (1 / dp·cp) Σ cp · Σ_mine / N = the mean over each replica's N = b·(s − 1)
     predictions, averaged over dp (``ParallelModel.mean_loss`` divides by the same ranks)."""
-    if loss_fn is not lm_loss:
-        raise AutoparError(
-            "context parallelism trains next-token cross-entropy on the logits (a rank holds part of each "
-            "sequence); this model's loss is its own or a custom one: plan cp 1, or return logits"
-        )
+    if loss_fn is not lm_loss:  # resolve_objective refused it first
+        raise ValueError(f"context parallelism takes next-token cross-entropy, not {loss_fn!r}")
 
     def loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
         logits = output.logits if hasattr(output, "logits") else output

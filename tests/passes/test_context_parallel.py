@@ -98,3 +98,16 @@ def test_attention_by_hand_and_short_tables_are_refused() -> None:
     short = Llama(LlamaConfig(**{**LLAMA.__dict__, "max_seq_len": 16}))
     with pytest.raises(AutoparError, match="fewer than the sequence"):
         cpp.context_parallel(_captured(short, 24, 2), cp=2, rank=0, group="g", seq=24)
+
+
+def test_a_model_training_its_own_loss_is_refused_before_any_rank_starts() -> None:
+    """A rank holds part of each sequence, so cp trains next-token cross-entropy on the logits:
+    nanoGPT's own ``forward(idx, targets)`` loss is refused where the loss is resolved (what
+    ``parallelize`` and ``autopar verify`` call first), in one line; at cp 1 it is kept."""
+    from autopar.runtime.loss import own_loss, resolve_objective
+    from tests.autopar.runtime.nanogpt import nanogpt
+
+    model = nanogpt()
+    assert resolve_objective(model, None, cp=1)[1] is own_loss
+    with pytest.raises(AutoparError, match=r"context parallelism \(cp 2\) trains next-token"):
+        resolve_objective(model, None, cp=2)

@@ -45,9 +45,9 @@ def wrong_second_chunk_mask() -> Iterator[None]:
         cpp.visible_keys = right
 
 
-def _verdicts(cases, tmp_path) -> list:
+def _verdicts(cases, tmp_path, *, checkpoint: bool = False) -> list:
     data = torch.randint(0, CFG.vocab_size, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(3))
-    return verify_cases(cases, data, str(tmp_path), checkpoint=False)
+    return verify_cases(cases, data, str(tmp_path), checkpoint=checkpoint)
 
 
 def test_cp2_matches_one_process_and_a_wrong_mask_fails(tmp_path) -> None:
@@ -65,7 +65,7 @@ def test_cp2_matches_one_process_and_a_wrong_mask_fails(tmp_path) -> None:
         )
     cases = [(make, plan, None) for make, plan in plans.values()]
     cases.append((llama, plans["zoo cp2 ZeRO-3"][1], wrong_second_chunk_mask))
-    *good, bad = _verdicts(cases, tmp_path)
+    *good, bad = _verdicts(cases, tmp_path, checkpoint=True)  # each also saved, loaded and stepped again
     for name, v in zip(plans, good, strict=True):
         print(f"{name}: grad error {v.max_grad_error:.1e}, param {v.max_param_error:.1e}")
         assert v.passed, (name, v.first_failure)
