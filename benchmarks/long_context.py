@@ -59,6 +59,8 @@ def _titan_rows() -> list[dict[str, Any]]:
                 "cp": st.cp,
                 "published_tps_per_gpu": row.value,
                 "predicted_tps_per_gpu": st.global_batch * st.seq / step / st.world_size,
+                "published_peak_gib": row.peak_memory_gib,
+                "predicted_peak_gib": corpus.predict_peak_gib(row),
             }
         )
     for r in out:
@@ -151,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"  seq {r['seq']:>7,} cp {r['cp']}: published {r['published_tps_per_gpu']:>6,.0f} "
             f"(ratio {r['published_ratio']:.3f}), predicted {r['predicted_tps_per_gpu']:>6,.0f} "
-            f"(ratio {r['predicted_ratio']:.3f})"
+            f"(ratio {r['predicted_ratio']:.3f}); peak published {r['published_peak_gib'] or 0:.1f} GiB, "
+            f"predicted {r['predicted_peak_gib']:.1f}"
         )
     m = result["llama3_405b_128k"]
     print(
