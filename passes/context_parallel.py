@@ -157,9 +157,19 @@ ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 
 
-def context_parallel(gm: fx.GraphModule, *, cp: int, rank: int, group: str, seq: int) -> fx.GraphModule:
+MASK_PROBE = 64
+"""Positions of the probe capture whose attention masks are evaluated (``probe``): a mask built
+at the real length is b·(s/cp)² elements, and its index tensors 8 bytes each (34 GB for
+Hugging Face's Llama at 65,536 positions per rank)."""
+
+
+def context_parallel(
+    gm: fx.GraphModule, *, cp: int, rank: int, group: str, seq: int, probe: fx.GraphModule | None = None
+) -> fx.GraphModule:
     """Rewrite ``gm`` (captured at s / cp positions) to run rank ``rank``'s positions of whole
-    sequences of length ``seq`` over the cp process group ``group`` (its registered name)."""
+    sequences of length ``seq`` over the cp process group ``group`` (its registered name).
+    ``probe``: the same model captured at ``MASK_PROBE`` positions, whose attention masks are
+    evaluated in place of ``gm``'s (None: ``gm``'s own, for small graphs)."""
     local = seq // cp
     positions = local_positions(rank, cp, seq)
     gm.register_buffer(POSITIONS, positions, persistent=False)
@@ -171,7 +181,7 @@ def context_parallel(gm: fx.GraphModule, *, cp: int, rank: int, group: str, seq:
             "context parallelism rewrites attention written with scaled_dot_product_attention; this "
             "model has none (attention by hand, or none at all): plan cp 1"
         )
-    causal = [_is_causal(gm, n, local) for n in attentions]  # masks read before positions change
+    causal = _causal(gm, attentions, local, probe)  # masks read before positions change
     pos = _positions_node(graph)
     _slice_inputs(graph, pos, local, seq)
     found = _positions(gm, pos, local, seq)
@@ -286,7 +296,26 @@ def _attr(gm: fx.GraphModule, target: str) -> torch.Tensor:
     return out  # type: ignore[no-any-return]
 
 
-def _is_causal(gm: fx.GraphModule, n: fx.Node, local: int) -> bool:
+def _causal(
+    gm: fx.GraphModule, attentions: list[fx.Node], local: int, probe: fx.GraphModule | None
+) -> list[bool]:
+    """Whether each attention is causal (else full), read on ``probe`` where given (its attentions
+    in the same order)."""
+    if probe is None:
+        return [_is_causal(gm, n, local) for n in attentions]
+    probed = [n for n in probe.graph.nodes if n.target is SDPA]
+    if len(probed) != len(attentions):
+        raise AutoparError(
+            f"the model runs {len(attentions)} attentions at {local} positions but {len(probed)} at "
+            f"{MASK_PROBE}: context parallelism cannot read their masks; plan cp 1"
+        )
+    length = int(probed[0].args[0].meta["val"].shape[-2]) if probed else MASK_PROBE  # type: ignore[union-attr]
+    for n in attentions:  # dropout as the real graph runs it
+        _is_causal(gm, n, local, masks=False)
+    return [_is_causal(probe, n, length) for n in probed]
+
+
+def _is_causal(gm: fx.GraphModule, n: fx.Node, local: int, *, masks: bool = True) -> bool:
     """Whether attention ``n`` is causal (``is_causal``, or a mask that evaluates causal) or full;
     refused otherwise, and with dropout."""
     bound = dict(zip(SDPA_ARGS, n.args, strict=False)) | dict(n.kwargs)
@@ -296,7 +325,7 @@ def _is_causal(gm: fx.GraphModule, n: fx.Node, local: int) -> bool:
             "set the model's attention dropout to 0 or plan cp 1"
         )
     mask = bound.get("attn_mask")
-    kind = _mask_kind(gm, mask, local) if isinstance(mask, fx.Node) else "full"
+    kind = _mask_kind(gm, mask, local) if isinstance(mask, fx.Node) and masks else "full"
     if kind == "other":
         raise AutoparError(
             f"{n.name}'s attention mask is neither causal nor full (a sliding window, padding or "

@@ -96,7 +96,7 @@ def parallelize(
         agree_on_rng(mesh["tp"].get_group())  # replicated activations draw the same dropout masks
     objective = graph_objective(stages := apply_capture(model, plan), objective)
     apply_tensor_parallel(stages, plan, mesh["tp"])
-    apply_context_parallel(stages, plan, mesh)
+    apply_context_parallel(stages, plan, mesh, model)
     apply_expert_load(stages)
     apply_expert_parallel(stages, plan, mesh)
     apply_loss_split(stages, plan, objective)

@@ -186,8 +186,8 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
     world = dist.get_world_size()
     if st.world_size != world:
         raise AutoparError(
-            f"the plan is for {st.world_size} GPUs (tp·pp·dp = {st.tp}·{st.pp}·{st.dp}) but {world} "
-            "processes were launched; re-plan for this world (autopar plan --nodes/--cluster)"
+            f"the plan is for {st.world_size} GPUs (tp·pp·dp·cp = {st.tp}·{st.pp}·{st.dp}·{st.cp}) but "
+            f"{world} processes were launched; re-plan for this world (autopar plan --nodes/--cluster)"
         )
     check_runnable(plan)
     check_model(model, plan)
@@ -200,12 +200,22 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
 
 
 def check_model(model: nn.Module, plan: Plan) -> None:
-    """The plan was made for this model: every block it names is one of the model's modules."""
+    """The plan was made for this model: every block it names is one of the model's modules; and
+    a model configured with a sliding window is not split by context parallelism (its attention
+    runs causal over the whole sequence; a window shorter than a rank's positions would pass for
+    causal where the masks are read)."""
     model_blocks = {n for n, _ in model.named_modules()}
     missing = [n for n in plan.recompute if n not in model_blocks]
     if missing:
         raise AutoparError(
             f"the plan names layers this model lacks (e.g. {missing[0]!r}): it was made for {plan.model}"
+        )
+    st = plan.strategy
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    if st.cp > 1 and isinstance(window, int) and window < st.seq:
+        raise AutoparError(
+            f"{type(model).__name__} attends within a sliding window of {window} positions; context "
+            f"parallelism (cp {st.cp}) runs causal attention over the whole sequence: plan cp 1"
         )
 
 

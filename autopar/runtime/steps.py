@@ -118,17 +118,28 @@ def apply_tensor_parallel(stages: Stages, plan: Plan, tp_mesh: Any) -> None:
     stages.gm = fill_layers(gm)
 
 
-def apply_context_parallel(stages: Stages, plan: Plan, mesh: Any) -> None:
+def apply_context_parallel(stages: Stages, plan: Plan, mesh: Any, model: nn.Module) -> None:
     """cp > 1: this rank's positions of every sequence, attention over all of them
-    (``passes.context_parallel``); the positions are kept for the loss."""
+    (``passes.context_parallel``; the model's attention masks read on a capture at
+    ``MASK_PROBE`` positions); the positions are kept for the loss. (A model configured with a
+    sliding window was refused by ``distributed.check_model``.)"""
     st = plan.strategy
     if st.cp == 1 or stages.gm is None:
         return
-    from autopar.passes.context_parallel import POSITIONS, context_parallel
+    from autopar.passes.context_parallel import MASK_PROBE, POSITIONS, context_parallel
 
+    masked = any(
+        n.target == torch.ops.aten.scaled_dot_product_attention.default
+        and len(n.args) > 3
+        and isinstance(n.args[3], fx.Node)
+        for n in stages.gm.graph.nodes
+    )
+    small = st.seq // st.cp <= MASK_PROBE  # its own masks are small enough to evaluate
+    probe = capture_as(model, batch=1, seq=MASK_PROBE, dtype=None).gm if masked and not small else None
     cp_mesh = mesh["cp"]
+    group = cp_mesh.get_group().group_name
     gm = context_parallel(
-        stages.gm, cp=st.cp, rank=cp_mesh.get_local_rank(), group=cp_mesh.get_group().group_name, seq=st.seq
+        stages.gm, cp=st.cp, rank=cp_mesh.get_local_rank(), group=group, seq=st.seq, probe=probe
     )
     positions = getattr(gm, POSITIONS).to(local_device())  # the tokens' device, as the runtime feeds them
     gm.register_buffer(POSITIONS, positions, persistent=False)

@@ -111,3 +111,32 @@ def test_a_model_training_its_own_loss_is_refused_before_any_rank_starts() -> No
     assert resolve_objective(model, None, cp=1)[1] is own_loss
     with pytest.raises(AutoparError, match=r"context parallelism \(cp 2\) trains next-token"):
         resolve_objective(model, None, cp=2)
+
+
+def test_masks_are_read_on_a_short_probe_capture() -> None:
+    """At s/cp positions above ``MASK_PROBE`` the masks are read on the same model captured at
+    ``MASK_PROBE`` positions (a mask at 65,536 positions per rank would take tens of GB)."""
+    from autopar.zoo import hf
+
+    model = hf.llama(seq=256)
+    probe = capture_as(model, batch=1, seq=cpp.MASK_PROBE, dtype=None).gm
+    gm = cpp.context_parallel(_captured(model, 160, 2), cp=2, rank=1, group="g", seq=160, probe=probe)
+    assert [n.kwargs["causal"] for n in gm.graph.nodes if n.target is cpp.cp_attention] == [True, True]
+
+
+def test_a_sliding_window_model_is_refused_before_any_rank_starts() -> None:
+    """Hugging Face's Mistral attends within a window (32 positions at this size): a window
+    shorter than the mask probe would pass for causal, so its config refuses cp in one line."""
+    import functools
+
+    from autopar.runtime.distributed import check_model
+    from autopar.zoo import hf
+    from tests.conftest import plan_for
+
+    make = functools.partial(hf.family, "mistral", seq=128)
+    model = make()
+    assert model.config.sliding_window == 32
+    plan = plan_for(make, batch=4, seq=64, gpus=2, cp=2, dp=1, zero=3)
+    with pytest.raises(AutoparError, match="sliding window of 32 positions; context parallelism"):
+        check_model(model, plan)
+    check_model(model, plan_for(make, batch=4, seq=64, gpus=2, cp=1, dp=2, zero=3))
