@@ -159,8 +159,8 @@ SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 
 MASK_PROBE = 64
 """Positions of the probe capture whose attention masks are evaluated (``probe``): a mask built
-at the real length is b·(s/cp)² elements, and its index tensors 8 bytes each (34 GB for
-Hugging Face's Llama at 65,536 positions per rank)."""
+at the real length is b·(s/cp)² elements (4 GiB of booleans per sequence at 65,536 positions per
+rank), and its evaluation holds several such tensors."""
 
 
 def context_parallel(
