@@ -15,12 +15,15 @@ s / cp (``runtime.steps.capture_graph``) so that this rank computes its share of
 - Attention: every ``scaled_dot_product_attention`` becomes ``cp_attention``: keys and values
   all-gathered over the cp group (back to sequence order), each local query chunk g attending to
   the keys of positions < (g + 1)·c under a lower-right causal mask. The gather's backward is a
-  reduce-scatter of the keys' and values' gradients. This is Llama 3's all-gather form (§3.3.2,
+  reduce-scatter of the keys' and values' gradients; they are gathered as the model holds them
+  before a grouped-query repeat (``graph.attention.unrepeated``) and repeated once gathered.
+  This is Llama 3's all-gather form (§3.3.2,
   chosen there for GQA's small K/V), built on functional collectives so it runs on gloo and CPU
   as well as NCCL: torch's ``context_parallel`` ring attention dispatches to CUDA-only flash and
-  efficient-attention kernels. A mask the model builds from positions alone is evaluated once:
-  causal (or none) is run as above, anything else is refused, as is a softmax over the sequence
-  written by hand (attention this pass cannot see).
+  efficient-attention kernels. A mask the model builds from positions alone is evaluated once
+  (on a capture at ``MASK_PROBE`` positions where one is given): causal (or none) is run as
+  above, anything else is refused, as is a softmax over the sequence written by hand (attention
+  this pass cannot see).
 
 The weights' gradients are partial over the cp ranks (each saw its positions): the runtime sums
 them with the data-parallel ones (``ParallelDims.dp_cp``).
