@@ -150,7 +150,8 @@ def _print_plan(console: Console, plan: Plan) -> None:
         if line.startswith(("tensor parallel ", "recompute ")):
             console.print(line)
     table = Table(title="stages", show_edge=False, title_justify="left")
-    cols = ("stage", "layers", "recompute", "time/micro-batch", "of which TP comm")
+    comm = "of which TP/CP comm" if plan.strategy.cp > 1 else "of which TP comm"  # cp's K/V gathers too
+    cols = ("stage", "layers", "recompute", "time/micro-batch", comm)
     for col in (*cols, "states", "activations", "other", "peak"):
         table.add_column(col, justify="left" if col in ("layers", "recompute") else "right")
     capacity = format_bytes(pred["memory_capacity_bytes"])

@@ -211,7 +211,8 @@ def _stages_table(plan: Plan) -> str:
         )
         for s in plan.stages
     ]
-    return _table(["stage", "layers", "recompute", "time/micro-batch", "of which TP comm"], rows)
+    comm = "of which TP/CP comm" if plan.strategy.cp > 1 else "of which TP comm"  # cp's K/V gathers too
+    return _table(["stage", "layers", "recompute", "time/micro-batch", comm], rows)
 
 
 def _why_table(plan: Plan) -> str:
