@@ -5,7 +5,7 @@ placed head and tail so that its share of causal attention is exactly 1/cp
 (``passes.context_parallel``). Its compute and its kept activations are therefore those of b / cp
 whole sequences: tokens b·s/cp for every token-wise operator, (b/cp)·s² for attention — the
 profile at micro-batch b / cp (``cost_models.micro_batch``, affine in the micro-batch), which the
-planner prices (``Strategy.rank_tokens``). What that profile lacks is priced here:
+planner prices (``Strategy.rank_sequences``). What that profile lacks is priced here:
 
 - Keys and values all-gathered before attention, per block and micro-batch, as they are before a
   grouped-query repeat (``graph.attention.unrepeated``): (b, kv_heads/t, s, head_dim) each, so

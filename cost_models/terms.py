@@ -346,7 +346,8 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
     loss_fwd, loss_bwd = _loss_s(ctx, name, chosen) if got is None else (0.0, 0.0)  # measured: timed with it
     fwd += loss_fwd
     tp_fwd, tp_bwd = _tp_phases_s(ctx, name, lc, chosen)
-    cp_fwd, cp_bwd = ctx.cp_s if name not in ("embed", "head") else (0.0, 0.0)
+    block = name not in ("embed", "head")
+    cp_fwd, cp_bwd = ctx.cp_s if block else (0.0, 0.0)
     ep_fwd, ep_bwd = ep_forward_s(lc, st, ctx.ep_link), ep_backward_s(lc, st, ctx.ep_link)
     redo_s, act, redo_flops = _redone(ctx, lc, choice, fwd, stream_share=share, measured=got)
     whole_block = choice == "full" or st.policy(choice) is not None  # its forward's collectives again
@@ -361,7 +362,7 @@ def _unit(ctx: _UnitContext, name: str, choice: str) -> Unit:
         dense += lc.tied_params / t
     params = dense + experts
     tokens = st.rank_tokens
-    kv = kv_extra_bytes(profile, st) if cp_fwd else 0.0  # cp: the gathered keys and values
+    kv = kv_extra_bytes(profile, st) if block else 0.0  # cp: the whole sequence's keys and values
     full = kv + mem.layer_activation_bytes(
         lc, tp=t, sp=sp, recompute="none", input_bytes=profile.input_bytes, expert_skew=skew(st)
     )

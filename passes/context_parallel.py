@@ -60,15 +60,29 @@ def rank_chunks(rank: int, cp: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
-def local_positions(rank: int, cp: int, seq: int) -> torch.Tensor:
+def local_positions(rank: int, cp: int, seq: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """This rank's positions in the order it holds them: chunk r's, then chunk 2·cp − 1 − r's."""
     c = chunk_size(seq, cp)
-    return torch.cat([torch.arange(g * c, (g + 1) * c) for g in rank_chunks(rank, cp)])
+    return torch.cat([torch.arange(g * c, (g + 1) * c, device=device) for g in rank_chunks(rank, cp)])
 
 
-def gathered_positions(cp: int, seq: int) -> torch.Tensor:
-    """The position of each slot of an all-gather of every rank's local tensors (rank order)."""
-    return torch.cat([local_positions(r, cp, seq) for r in range(cp)])
+def sequence_order(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """An all-gather of every rank's two chunks (rank order along ``dim``: r's chunks r and
+    2·cp − 1 − r) in sequence order: the ranks' first chunks in rank order, then their second
+    chunks in reverse rank order. Views, a flip and one copy: no index tensor."""
+    ranked = x.unflatten(dim, (cp, 2, x.shape[dim] // (2 * cp)))
+    return torch.cat([ranked.select(dim + 1, 0), ranked.select(dim + 1, 1).flip(dim)], dim).flatten(
+        dim, dim + 1
+    )
+
+
+def rank_order(x: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """The inverse of ``sequence_order``: a whole sequence along ``dim`` as every rank's two
+    chunks in rank order (what a reduce-scatter hands back to each rank)."""
+    halves = x.unflatten(dim, (2, cp, x.shape[dim] // (2 * cp)))
+    return torch.stack([halves.select(dim, 0), halves.select(dim, 1).flip(dim)], dim + 1).flatten(
+        dim, dim + 2
+    )
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -77,15 +91,13 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: str, cp: int) -> torch.Tensor:
-        seq = x.shape[dim] * cp
-        slots = gathered_positions(cp, seq).to(x.device)
-        ctx.dim, ctx.group, ctx.slots = dim, group, slots
+        ctx.dim, ctx.group, ctx.cp = dim, group, cp
         out = waited(funcol.all_gather_single(x.contiguous(), gather_dim=dim, group=group))
-        return out.index_select(dim, torch.argsort(slots))
+        return sequence_order(out, dim, cp)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        ranked = g.index_select(ctx.dim, ctx.slots).contiguous()
+        ranked = rank_order(g, ctx.dim, ctx.cp).contiguous()
         out = waited(funcol.reduce_scatter_single(ranked, "sum", scatter_dim=ctx.dim, group=ctx.group))
         return out, None, None, None
 
@@ -167,14 +179,22 @@ rank), and its evaluation holds several such tensors."""
 
 
 def context_parallel(
-    gm: fx.GraphModule, *, cp: int, rank: int, group: str, seq: int, probe: fx.GraphModule | None = None
+    gm: fx.GraphModule,
+    *,
+    cp: int,
+    rank: int,
+    group: str,
+    seq: int,
+    probe: fx.GraphModule | None = None,
+    device: torch.device | str = "cpu",
 ) -> fx.GraphModule:
     """Rewrite ``gm`` (captured at s / cp positions) to run rank ``rank``'s positions of whole
     sequences of length ``seq`` over the cp process group ``group`` (its registered name).
     ``probe``: the same model captured at ``MASK_PROBE`` positions, whose attention masks are
-    evaluated in place of ``gm``'s (None: ``gm``'s own, for small graphs)."""
+    evaluated in place of ``gm``'s (None: ``gm``'s own, for small graphs); ``device``: where the
+    positions live (the tokens' device)."""
     local = seq // cp
-    positions = local_positions(rank, cp, seq)
+    positions = local_positions(rank, cp, seq, device)
     gm.register_buffer(POSITIONS, positions, persistent=False)
     graph = gm.graph
     _refuse_hand_softmax(graph, local)
@@ -425,8 +445,9 @@ __all__ = [
     "context_parallel",
     "cp_attention",
     "gather_sequence",
-    "gathered_positions",
     "local_positions",
     "lower_right_attention",
+    "rank_order",
+    "sequence_order",
     "visible_keys",
 ]

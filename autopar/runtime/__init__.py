@@ -135,7 +135,7 @@ def _stage_loss(stages: Any, plan: Plan, loss_fn: LossFn) -> LossFn:
     share of next-token cross-entropy, on logits gathered whole under TP where it needs them."""
     st = plan.strategy
     loss_fn = tail_loss(stages.loss_graph, stages.loss_kept) if stages.loss_graph is not None else loss_fn
-    loss_fn = context_loss(loss_fn, stages.positions, st.cp) if stages.positions is not None else loss_fn
+    loss_fn = context_loss(stages.positions, st.cp) if stages.positions is not None else loss_fn
     return whole_logits(loss_fn) if st.tp > 1 else loss_fn
 
 

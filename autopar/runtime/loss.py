@@ -126,15 +126,14 @@ def tail_loss(loss_graph: nn.Module, kept: int) -> LossFn:
     return loss
 
 
-def context_loss(loss_fn: LossFn, positions: torch.Tensor, cp: int) -> LossFn:
+def context_loss(positions: torch.Tensor, cp: int) -> LossFn:
     """Next-token cross-entropy under context parallelism: this rank's logits are those of its
     positions (``passes.context_parallel``), so its targets are the next tokens of the whole
     sequences at those positions (the last position has none), and its loss is its share of the
     sequences' mean times cp — the gradients are averaged over dp·cp ranks, each with 1/cp of
     the tokens: (1 / dp·cp) Σ cp · Σ_mine / N = the mean over each replica's N = b·(s − 1)
-    predictions, averaged over dp (``ParallelModel.mean_loss`` divides by the same ranks)."""
-    if loss_fn is not lm_loss:  # resolve_objective refused it first
-        raise ValueError(f"context parallelism takes next-token cross-entropy, not {loss_fn!r}")
+    predictions, averaged over dp (``ParallelModel.mean_loss`` divides by the same ranks). Any
+    other loss was refused by ``resolve_objective``."""
 
     def loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
         logits = output.logits if hasattr(output, "logits") else output

@@ -126,25 +126,22 @@ def apply_context_parallel(stages: Stages, plan: Plan, mesh: Any, model: nn.Modu
     st = plan.strategy
     if st.cp == 1 or stages.gm is None:
         return
+    from autopar.graph.attention import SDPA
     from autopar.passes.context_parallel import MASK_PROBE, POSITIONS, context_parallel
 
     masked = any(
-        n.target == torch.ops.aten.scaled_dot_product_attention.default
-        and len(n.args) > 3
-        and isinstance(n.args[3], fx.Node)
-        for n in stages.gm.graph.nodes
+        n.target is SDPA and len(n.args) > 3 and isinstance(n.args[3], fx.Node) for n in stages.gm.graph.nodes
     )
     small = st.seq // st.cp <= MASK_PROBE  # its own masks are small enough to evaluate
     probe = capture_as(model, batch=1, seq=MASK_PROBE, dtype=None).gm if masked and not small else None
     cp_mesh = mesh["cp"]
     group = cp_mesh.get_group().group_name
+    rank = cp_mesh.get_local_rank()
     gm = context_parallel(
-        stages.gm, cp=st.cp, rank=cp_mesh.get_local_rank(), group=group, seq=st.seq, probe=probe
+        stages.gm, cp=st.cp, rank=rank, group=group, seq=st.seq, probe=probe, device=local_device()
     )
-    positions = getattr(gm, POSITIONS).to(local_device())  # the tokens' device, as the runtime feeds them
-    gm.register_buffer(POSITIONS, positions, persistent=False)
     stages.gm = fill_layers(gm)
-    stages.positions = positions
+    stages.positions = getattr(gm, POSITIONS)
 
 
 def apply_expert_parallel(stages: Stages, plan: Plan, mesh: Any) -> None:

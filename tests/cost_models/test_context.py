@@ -50,7 +50,7 @@ def test_a_cp_rank_is_the_profile_at_b_over_cp(pricer: Pricer) -> None:
     assert two.block["full"].tp_s == pytest.approx(2 * fwd + bwd)  # recompute gathers again
 
 
-def test_cp_estimates_fewer_seconds_per_micro_batch_and_reduces_over_dp_cp(pricer: Pricer) -> None:
+def test_cp_halves_each_micro_batch_and_reduces_gradients_over_dp_cp(pricer: Pricer) -> None:
     """The step of cp 2 × dp 4 runs half the work per micro-batch of dp 8 on twice the
     micro-batches, its gradients reduced over the same 8 ranks: the same order of step time;
     its memory per rank lower (half of each micro-batch's activations)."""

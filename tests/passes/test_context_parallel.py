@@ -25,8 +25,9 @@ def test_head_tail_chunks_balance_causal_attention(cp: int) -> None:
     assert sorted(torch.cat(ranks).tolist()) == list(range(seq))
     pairs = [int((pos + 1).sum()) for pos in ranks]  # query i sees keys 0..i
     assert len(set(pairs)) == 1 and sum(pairs) == seq * (seq + 1) // 2
-    slots = cpp.gathered_positions(cp, seq)
-    assert torch.equal(slots[torch.argsort(slots)], torch.arange(seq))
+    gathered = torch.cat(ranks)[None, :, None]  # an all-gather's rank order, on a middle dim
+    assert torch.equal(cpp.sequence_order(gathered, 1, cp), torch.arange(seq)[None, :, None])
+    assert torch.equal(cpp.rank_order(cpp.sequence_order(gathered, 1, cp), 1, cp), gathered)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
