@@ -14,6 +14,7 @@ import autopar.plan as _plan_module  # noqa: F401  bound first: ``plan`` below i
 from autopar.lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    from autopar.adapt import AdaptConfig, Adaptive
     from autopar.api import parallelize, plan
     from autopar.cluster import Cluster, DeviceSpec, LinkSpec
     from autopar.errors import AutoparError, CaptureError, ClusterSpecError, InfeasibleError, ModelSpecError
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from autopar.zoo.spec import meta_parameters
 
 _HOME = {
+    "AdaptConfig": "autopar.adapt",
+    "Adaptive": "autopar.adapt",
     "Cluster": "autopar.cluster",
     "DeviceSpec": "autopar.cluster",
     "LinkSpec": "autopar.cluster",
@@ -74,6 +77,8 @@ __getattr__ = lazy_attributes(__name__, _HOME)
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptConfig",
+    "Adaptive",
     "AutoparError",
     "BrokenCheckpointError",
     "CaptureError",

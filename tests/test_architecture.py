@@ -35,7 +35,7 @@ LAYERS = [
     ("autopar.cost_models",),
     ("autopar.planner", "autopar.runtime"),
     ("autopar.measure", "autopar.monitor"),
-    ("autopar.api", "autopar.cli", "autopar.__main__", "autopar"),
+    ("autopar.api", "autopar.adapt", "autopar.cli", "autopar.__main__", "autopar"),
 ]
 """Lowest first: a module may import its own layer or lower ones, and nothing above."""
 

@@ -48,6 +48,14 @@ def add_parser(sub: Any) -> None:
         help="adamw (default) or sgd: a parameter difference is then lr × a gradient difference "
         "(Adam's normalised step turns rounding in near-zero gradients into ±lr moves)",
     )
+    p.add_argument(
+        "--switch-at",
+        type=positive,
+        default=None,
+        metavar="K",
+        help="move the run to --switch-to's plan in process before step K (what autopar.Adaptive does)",
+    )
+    p.add_argument("--switch-to", default=None, metavar="PLAN", help="the plan JSON --switch-at moves to")
     add_json_flag(p, "text")
 
 
@@ -59,6 +67,9 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
     from autopar.request import PlanRequest
     from autopar.zoo.registry import model_seq
 
+    if (args.switch_at is None) != (args.switch_to is None):
+        raise AutoparError("--switch-at K and --switch-to PLAN go together: give both or neither")
+    switch = None if args.switch_at is None else (args.switch_at, read_plan(args.switch_to))
     dtype = "fp32" if args.dtype == "fp64" else args.dtype  # fp32 plans are checked in float64
     plan = read_plan(args.plan) if args.plan else None
     model_seq(args.model, plan.strategy.seq if plan else args.seq, dtype=dtype)  # within its positions
@@ -81,6 +92,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
         )
     if args.loss:
         resolve_loss(args.loss)  # a bad --loss is a user error here, not in every worker
+
     with spinner(args, f"running {plan.strategy.world_size} processes and the single-process reference …"):
         report = verify_plan(
             args.model,
@@ -90,24 +102,32 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
             vocab=profiles.base.vocab,
             loss_spec=args.loss,
             optimizer=args.optimizer,
+            switch=switch,
         )
     if args.json:
         print_json({"plan": plan.to_dict(), **report.to_dict()})
     else:
-        console.print(plan.text())
-        for i, (a, b) in enumerate(zip(report.losses, report.reference_losses, strict=True)):
-            console.print(f"step {i}: loss {a:.6f}  reference {b:.6f}  diff {abs(a - b):.2e}")
-        loss_b, grad_b, param_b = report.bounds
-        if report.dropout:
-            console.print(f"the model draws dropout masks: {report.dropout}")
-        console.print(
-            f"checked in {report.arithmetic}: gradients within {report.max_grad_error:.1e} of their norm "
-            f"(bound {grad_b:.1e}), parameters within {report.max_param_error:.1e} of their update "
-            f"(bound {param_b:.1e}), losses within {report.max_loss_error:.1e} (bound {loss_b:.1e}): "
-            + ("PASS" if report.passed else f"FAIL: {report.first_failure}")
-        )
+        _print_verdict(console, plan, report, switch)
     if not report.passed:
         raise SystemExit(1)
+
+
+def _print_verdict(console: Console, plan: Any, report: Any, switch: tuple[int, Any] | None) -> None:
+    """The verdict as text: the plan(s), each step's losses, the errors against their bounds."""
+    console.print(plan.text())
+    if switch is not None:
+        console.print(f"before step {switch[0]} the run moves in process to:\n{switch[1].text()}")
+    for i, (a, b) in enumerate(zip(report.losses, report.reference_losses, strict=True)):
+        console.print(f"step {i}: loss {a:.6f}  reference {b:.6f}  diff {abs(a - b):.2e}")
+    loss_b, grad_b, param_b = report.bounds
+    if report.dropout:
+        console.print(f"the model draws dropout masks: {report.dropout}")
+    console.print(
+        f"checked in {report.arithmetic}: gradients within {report.max_grad_error:.1e} of their norm "
+        f"(bound {grad_b:.1e}), parameters within {report.max_param_error:.1e} of their update "
+        f"(bound {param_b:.1e}), losses within {report.max_loss_error:.1e} (bound {loss_b:.1e}): "
+        + ("PASS" if report.passed else f"FAIL: {report.first_failure}")
+    )
 
 
 __all__ = ["add_parser", "cmd_verify"]

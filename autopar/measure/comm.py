@@ -32,6 +32,7 @@ import torch.distributed as dist
 from autopar.errors import AutoparError
 from autopar.measurements import GROUP_COLLECTIVES, CollectiveFit, CommProfile
 from autopar.mesh import partner
+from autopar.runtime.switch import placement_groups
 
 Progress = Callable[[int, int, str], None]
 
@@ -281,7 +282,7 @@ def measure_comm(
 ) -> CommProfile:
     """Measure and fit every collective on every group (call on every rank; rank 0's
     ``progress`` is called). Large messages (over 16 MiB) get 3 repeats."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if world < 2:
         raise AutoparError(
             "profile-comm needs at least 2 ranks: torchrun --nproc-per-node N -m autopar profile-comm"
@@ -290,7 +291,27 @@ def measure_comm(
     nccl = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     sizes = message_sizes(min_bytes, max_bytes)
-    groups = _groups(world, per_node)
+    with placement_groups() as made:
+        groups = _groups(world, per_node)
+    profile = _measure_all(groups, sizes, device, warmup, repeat, progress, max_bytes)
+    dist.barrier()  # a running job probes its links (``autopar.Adaptive``): leave no groups behind
+    for group in made:
+        dist.destroy_process_group(group)
+    return profile
+
+
+def _measure_all(
+    groups: list[tuple[int, bool, Any]],
+    sizes: list[int],
+    device: torch.device,
+    warmup: int,
+    repeat: int,
+    progress: Progress | None,
+    max_bytes: int,
+) -> CommProfile:
+    """``measure_comm``'s sweep over ``groups`` (and the send/recv pairs, and the overlap)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     pairs = [(False, 1)] + ([(True, per_node)] if world // per_node >= 2 else [])
     total = (len(groups) * len(GROUP_COLLECTIVES) + len(pairs)) * len(sizes)
     sweep = _Sweep(sizes, device, compute_burst(device), warmup, repeat, total, progress)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -19,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopar.plan import Plan
 from autopar.runtime import parallelize
 from autopar.runtime.state import named_params
+from autopar.runtime.switch import switch_plan
 from autopar.zoo.spec import load_factory
 
 LR = 1e-2
@@ -78,6 +80,9 @@ class Job(NamedTuple):
     """Keep every step's whole gradients and parameters (rank 0 gathers and returns them);
     False: the losses, gradient norms and the final parameters only, for long runs whose
     steps only their losses are compared."""
+    switch: tuple[int, str] | None = None
+    """(k, plan JSON): before step k the run moves to that plan in process
+    (``runtime.switch.switch_plan``: what ``autopar.Adaptive`` does), then trains on under it."""
 
 
 RUN_SEED = 1234
@@ -111,19 +116,20 @@ def dp_worker(
             with job.hook() if job.hook else contextlib.nullcontext():
                 model = job.make_model()
                 torch.manual_seed(RUN_SEED + rank)
-                pm = parallelize(
-                    model,
-                    plan,
+                place = functools.partial(
+                    parallelize,
                     loss_fn=resolve_loss(loss_spec),
                     optimizer_cls=OPTIMIZERS[optimizer],
                     optimizer_kwargs={"lr": job.lr},
                 )
-                result = _traced_steps(pm, data, steps, job.trace)
+                pm = place(model, plan)
+                move = _mover(job, place, f"{out}.switch{len(results)}")
+                pm, result = _traced_steps(pm, data, steps, job.trace, move)
                 result["replicas"] = replica_mismatch(pm)
             if job.checkpoint:
                 result.update(
                     _checkpoint_round_trip(
-                        pm, job.make_model, plan, f"{out}.dcp{len(results)}", optimizer, loss_spec
+                        pm, job.make_model, pm.plan, f"{out}.dcp{len(results)}", optimizer, loss_spec
                     )
                 )
             results.append(result)
@@ -158,15 +164,37 @@ def replica_mismatch(pm: Any) -> str | None:
     return next((f for f in found if f), None)
 
 
-def _traced_steps(pm: Any, data: torch.Tensor, steps: int, trace: bool = True) -> dict[str, Any]:
+Mover = Callable[[int, Any], Any]
+"""(step, ParallelModel) → the ParallelModel to train that step with."""
+
+
+def _mover(job: Job, place: Callable[[nn.Module, Plan], Any], folder: str) -> Mover:
+    """The job's switch as a ``Mover`` (the model unchanged but at its step)."""
+    if job.switch is None:
+        return lambda step, pm: pm
+    at_step, target = job.switch
+
+    def move(step: int, pm: Any) -> Any:
+        if step != at_step:
+            return pm
+        return switch_plan(pm, job.make_model, Plan.from_json(target), folder, place=place)
+
+    return move
+
+
+def _traced_steps(
+    pm: Any, data: torch.Tensor, steps: int, trace: bool = True, move: Mover | None = None
+) -> tuple[Any, dict[str, Any]]:
     """Train ``steps`` steps on this rank's rows of ``data``, recording what ``Trace`` holds (with
     ``trace`` False, the parameters after the last step only, and no gradients); the functional
-    collectives of the first step are counted (``collectives``: op name → count)."""
-    st = pm.plan.strategy
-    local, at = st.global_batch // st.dp, pm.dp_rank
+    collectives of the first step are counted (``collectives``: op name → count). ``move``
+    gives the model each step trains with (a switch of plan); returns the last one too."""
     comm = CollectiveCounter()
     out: dict[str, Any] = {"losses": [], "grads": [], "params": []}
     for step in range(steps):
+        pm = move(step, pm) if move is not None else pm
+        st = pm.plan.strategy
+        local, at = st.global_batch // st.dp, pm.dp_rank
         with comm if step == 0 else contextlib.nullcontext():
             micro = pm.backward(data[step, at * local : (at + 1) * local])
         scale = float(pm.scaler.get_scale()) if pm.scaler is not None else 1.0
@@ -188,7 +216,7 @@ def _traced_steps(pm: Any, data: torch.Tensor, steps: int, trace: bool = True) -
         del grads, params
     out["collectives"] = dict(comm.counts)
     out["state"] = out["params"][-1] if out["params"] else {}
-    return out
+    return pm, out
 
 
 def _checkpoint_round_trip(

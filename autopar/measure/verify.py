@@ -132,15 +132,19 @@ def verify_plan(
     vocab: int,
     loss_spec: str | None = None,
     optimizer: str = "adamw",
+    switch: tuple[int, Plan] | None = None,
 ) -> Verdict:
     """Run ``plan`` on ``nproc`` local gloo processes and the single-process reference on the same
-    tokens, both with ``optimizer`` (``OPTIMIZERS``), and judge the run (``verify_runs``)."""
+    tokens, both with ``optimizer`` (``OPTIMIZERS``), and judge the run (``verify_runs``).
+    ``switch`` (k, plan): before step k the run moves to that plan in process (``Job.switch``)."""
     import tempfile
 
     st = plan.strategy
     if st.world_size != nproc:
         raise AutoparError(f"the plan is for {st.world_size} processes but --nproc is {nproc}")
     check_runnable(plan)
+    if switch is not None:
+        check_switch(plan, switch, steps)
     make = functools.partial(build_model, spec)
     model = model_for_check(make, arithmetic_of(st.dtype))
     check_model(model, plan)  # one line now, not a traceback from every worker
@@ -151,7 +155,25 @@ def verify_plan(
         0, vocab, (steps, st.global_batch, st.seq), generator=torch.Generator().manual_seed(1)
     )
     with tempfile.TemporaryDirectory() as tmp:
-        return verify_runs(make, [(plan, None)], data, tmp, loss_spec=loss_spec, optimizer=optimizer)[0]
+        runs = verify_runs(
+            make, [(plan, None)], data, tmp, loss_spec=loss_spec, optimizer=optimizer, switch=switch
+        )
+        return runs[0]
+
+
+def check_switch(plan: Plan, switch: tuple[int, Plan], steps: int) -> None:
+    """One line for a switch ``verify`` cannot run: another world, another shape of step, or a
+    step outside the run."""
+    at, target = switch
+    a, b = plan.strategy, target.strategy
+    if b.world_size != a.world_size or (b.global_batch, b.seq) != (a.global_batch, a.seq):
+        raise AutoparError(
+            f"the plan switched to is for {b.world_size} processes, global batch {b.global_batch}, seq "
+            f"{b.seq}; the first for {a.world_size}, {a.global_batch}, {a.seq}: give plans of one run"
+        )
+    if not 1 <= at < steps:
+        raise AutoparError(f"--switch-at {at}: give a step in 1..{steps - 1} (--steps is {steps})")
+    check_runnable(target)
 
 
 def verify_runs(
@@ -163,6 +185,7 @@ def verify_runs(
     loss_spec: str | None = None,
     optimizer: str = "adamw",
     checkpoint: bool = True,
+    switch: tuple[int, Plan] | None = None,
 ) -> list[Verdict]:
     """The verdict on each (plan, hook) for one model (``verify_cases``)."""
     return verify_cases(
@@ -172,6 +195,7 @@ def verify_runs(
         loss_spec=loss_spec,
         optimizer=optimizer,
         checkpoint=checkpoint,
+        switch=switch,
     )
 
 
@@ -187,12 +211,15 @@ def verify_cases(
     loss_spec: str | None = None,
     optimizer: str = "adamw",
     checkpoint: bool = True,
+    switch: tuple[int, Plan] | None = None,
 ) -> list[Verdict]:
     """The verdict on each (model, plan, hook) — plans for one world size, run in one launch —
     against single-process training of its model on ``data`` (steps × global batch × seq). A model
     that draws dropout masks is compared with dropout off, and its plans also run with dropout on
     (and without recompute where they recompute) for ``verdict.with_dropout``. ``checkpoint``:
-    each run also round-trips through a checkpoint (``Job.checkpoint``)."""
+    each run also round-trips through a checkpoint (``Job.checkpoint``); ``switch`` (k, plan):
+    each run moves to that plan before step k (``Job.switch``)."""
+    moved = None if switch is None else (switch[0], switch[1].to_json())
     jobs: list[Job] = []
     where: list[tuple[int, int | None, int | None]] = []  # per case: its jobs (off, on, twin)
     random: dict[Callable[[], nn.Module], bool] = {}  # per model: whether it draws masks
@@ -213,15 +240,7 @@ def verify_cases(
             rows = data[0, :2]  # two rows: does either's loss change with the other beside it?
             batchwise[make_model] = len(rows) > 1 and batch_dependent(off, resolve_loss(loss_spec), rows)
         keys.append((make_model, arithmetic, plan.strategy.micro_batch if batchwise[make_model] else None))
-        i_off, i_on, i_twin = len(jobs), None, None
-        jobs.append(Job(off, plan.to_json(), hook, checkpoint))
-        if random[make_model]:
-            i_on = len(jobs)
-            jobs.append(Job(make, plan.to_json(), hook, checkpoint))
-        if random[make_model] and any(c != "none" for c in plan.recompute.values()):
-            i_twin = len(jobs)
-            jobs.append(Job(make, without_recompute(plan).to_json(), hook, checkpoint))
-        where.append((i_off, i_on, i_twin))
+        where.append(_add_jobs(jobs, off, make, plan, hook, checkpoint, moved, random[make_model]))
     world = cases[0][1].strategy.world_size
     results = spawn_jobs(jobs, world, data, tmp, loss_spec=loss_spec, optimizer=optimizer)
     train = functools.partial(run_reference, data=data, steps=len(data), loss_spec=loss_spec)
@@ -239,6 +258,29 @@ def verify_cases(
             verdict = with_dropout(verdict, results[i_on], twin)
         verdicts.append(verdict)
     return verdicts
+
+
+def _add_jobs(
+    jobs: list[Job],
+    off: Callable[[], nn.Module],
+    make: Callable[[], nn.Module],
+    plan: Plan,
+    hook: Hook,
+    checkpoint: bool,
+    switch: tuple[int, str] | None,
+    random: bool,
+) -> tuple[int, int | None, int | None]:
+    """Append one case's jobs — as compared (``off``), with dropout on where the model draws
+    masks, and that without recompute where the plan recomputes — and return their indices."""
+    i_off, i_on, i_twin = len(jobs), None, None
+    jobs.append(Job(off, plan.to_json(), hook, checkpoint, switch=switch))
+    if random:
+        i_on = len(jobs)
+        jobs.append(Job(make, plan.to_json(), hook, checkpoint, switch=switch))
+    if random and any(c != "none" for c in plan.recompute.values()):
+        i_twin = len(jobs)
+        jobs.append(Job(make, without_recompute(plan).to_json(), hook, checkpoint, switch=switch))
+    return i_off, i_on, i_twin
 
 
 def without_recompute(plan: Plan) -> Plan:

@@ -163,6 +163,19 @@ class Metrics:
                 print(f"autopar: {warning}", file=sys.stderr, flush=True)
         return self.last
 
+    def rebind(self, pm: Any) -> None:
+        """Follow ``pm`` from now on (a running job moved to another plan: ``autopar.Adaptive``);
+        drift is judged against its plan afresh."""
+        self.pm = pm
+        self.drift = Drift(pm.plan, ratio=self.drift.ratio, steps=self.drift.steps)
+
+    def event(self, step: int, record: dict[str, Any]) -> None:
+        """Something that happened after step ``step`` (``record["event"]`` names its kind, ``text``
+        the line to show), to every sink (rank 0)."""
+        if self.rank == 0:
+            for sink in self.sinks:
+                sink.event(step, record)
+
     def close(self) -> None:
         """Flush and close the files, stop the endpoint and the profiler."""
         if self.collectives is not None:

@@ -98,15 +98,29 @@ def _run_section(
     plan: Plan, metrics: list[dict[str, Any]], figure: Callable[[str, Any, str], str]
 ) -> list[str]:
     """The run against the plan: its steps' table and the measured-against-predicted figure."""
-    steps = [m for m in metrics if "ranks" not in m]
+    steps = [m for m in metrics if "ranks" not in m and "event" not in m]
     ranks: list[dict[str, Any]] = next((m["ranks"] for m in reversed(metrics) if "ranks" in m), [])
+    events = [m for m in metrics if "event" in m]
     if not steps:
         raise AutoparError("the metrics file has no step lines: is it a Metrics(jsonl=…) file?")
     return [
         "<h2>The run against the plan</h2>",
         _run_table(plan, steps),
         figure("run", figures.run_figure(plan, steps, ranks), "Measured against predicted."),
+        *_events(events),
     ]
+
+
+def _events(events: list[dict[str, Any]]) -> list[str]:
+    """The run's plan decisions (``autopar.Adaptive``), one row each."""
+    if not events:
+        return []
+    rows = [
+        f"<td>{int(e['step'])}</td><td>{html.escape(str(e.get('action', e['event'])))}</td>"
+        f"<td>{html.escape(str(e.get('text', '')))}</td>"
+        for e in events
+    ]
+    return ["<h3>Plan decisions during the run</h3>", _table(["step", "decision", "why"], rows)]
 
 
 def _value(key: str, value: float, text: str) -> str:

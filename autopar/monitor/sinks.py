@@ -42,6 +42,8 @@ _MISSING = "metrics for {what} need the {package} package: pip install 'autopar[
 class Sink(Protocol):
     def write(self, step: int, figures: dict[str, float], per_rank: PerRank) -> None: ...
 
+    def event(self, step: int, record: dict[str, Any]) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -66,6 +68,11 @@ class JsonlSink:
             self.file.write(json.dumps({"step": step, "ranks": ranks}) + "\n")
         self.file.flush()
 
+    def event(self, step: int, record: dict[str, Any]) -> None:
+        """A ``{"step": k, "event": kind, …}`` line (``Metrics.event``)."""
+        self.file.write(json.dumps({"step": step, **record}) + "\n")
+        self.file.flush()
+
     def close(self) -> None:
         self.file.close()
 
@@ -86,6 +93,10 @@ class TensorBoardSink:
         for rank, (peak, _) in enumerate(per_rank or []):
             self.writer.add_scalar(f"autopar/peak_memory_bytes/rank{rank}", peak, step)
 
+    def event(self, step: int, record: dict[str, Any]) -> None:
+        """The event's line as text under ``autopar/events``."""
+        self.writer.add_text("autopar/events", str(record.get("text", record)), step)
+
     def close(self) -> None:
         self.writer.close()
 
@@ -99,11 +110,12 @@ def prometheus_name(figure: str) -> str:
 class PrometheusSink:
     """Gauges on ``http://<addr>:<port>/metrics`` (``prometheus_client``'s server, its own
     registry): one per figure, ``autopar_step``, and per rank
-    ``autopar_rank_peak_memory_bytes{rank=…}`` / ``autopar_rank_predicted_peak_memory_bytes``."""
+    ``autopar_rank_peak_memory_bytes{rank=…}`` / ``autopar_rank_predicted_peak_memory_bytes``,
+    and ``autopar_events_total{event=…, action=…}`` (``Metrics.event``: plan decisions)."""
 
     def __init__(self, port: int, addr: str) -> None:
         try:
-            from prometheus_client import CollectorRegistry, Gauge, start_http_server
+            from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
         except ImportError:
             raise AutoparError(_MISSING.format(what="Prometheus", package="prometheus_client")) from None
         self.registry = CollectorRegistry()
@@ -112,6 +124,9 @@ class PrometheusSink:
             for name in (*GAUGES, *OPTIONAL_GAUGES)
         }
         self.step = Gauge("autopar_step", "the last step recorded", registry=self.registry)
+        self.events = Counter(
+            "autopar_events", "autopar events (plan decisions)", ["event", "action"], registry=self.registry
+        )
         self.ranks = {
             key: Gauge(f"autopar_rank_{key}", f"autopar {key}, per rank", ["rank"], registry=self.registry)
             for key in ("peak_memory_bytes", "predicted_peak_memory_bytes")
@@ -130,6 +145,10 @@ class PrometheusSink:
         for rank, (peak, predicted) in enumerate(per_rank or []):
             self.ranks["peak_memory_bytes"].labels(rank=str(rank)).set(peak)
             self.ranks["predicted_peak_memory_bytes"].labels(rank=str(rank)).set(predicted)
+
+    def event(self, step: int, record: dict[str, Any]) -> None:
+        """``autopar_events_total{event=…, action=…}`` counts it."""
+        self.events.labels(event=str(record.get("event", "")), action=str(record.get("action", ""))).inc()
 
     def close(self) -> None:
         self.server.shutdown()

@@ -17,6 +17,7 @@ never plans: ``autopar.parallelize`` plans first when it is given a cluster.
     model.py       ParallelModel: train_step, eval_step, checkpoint state
     state.py       the checkpoint layout (DCP, ZeRO-1, fused-QKV shards)
     checkpoint.py  save / load checkpoint folders (atomic; another model's refused)
+    switch.py      a running job moved to another plan in process (state resharded through DCP)
     distributed.py the process group and what ranks agree on
     settle.py      at exit, gloo's worker threads settle before the interpreter finalizes
     loss.py        the loss: the model's own, next-token cross-entropy, or the user's
@@ -66,6 +67,7 @@ from autopar.runtime.steps import (
     rebind_tied,
     tied_names,
 )
+from autopar.runtime.switch import placement_groups
 
 
 def parallelize(
@@ -82,8 +84,24 @@ def parallelize(
     The loss is ``loss_fn(output, tokens)``, by default the model's own where it computes one
     (``runtime.loss.resolve_objective``), else next-token cross-entropy. The optimizer is
     ``optimizer_cls(params, **optimizer_kwargs)`` per local stage (default AdamW, lr 1e-3),
-    sharded over the data-parallel ranks under ZeRO ≥ 1; ``timeout_s``: ``init_distributed``'s."""
+    sharded over the data-parallel ranks under ZeRO ≥ 1; ``timeout_s``: ``init_distributed``'s.
+    The process groups the placement makes are ``ParallelModel.groups`` (``switch.release``)."""
     timeout_s = init_distributed(timeout_s)
+    with placement_groups() as made:
+        pm = _place(model, plan, loss_fn, optimizer_cls, optimizer_kwargs, timeout_s)
+    pm.groups = made
+    return pm
+
+
+def _place(
+    model: nn.Module,
+    plan: Plan,
+    loss_fn: LossFn | None,
+    optimizer_cls: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any] | None,
+    timeout_s: float,
+) -> ParallelModel:
+    """``parallelize``'s steps, in order."""
     check_plan(model, plan)
     agree_on_plan(plan)
     st = plan.strategy

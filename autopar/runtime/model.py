@@ -96,6 +96,9 @@ class ParallelModel:
     summed over its micro-batches and data-parallel ranks, by the experts' module path (every
     rank has them); empty for a model that runs as written (tp = pp = ep = 1) and on a
     pipeline's first step (``_start_counting``)."""
+    groups: list[Any] = field(default_factory=list)
+    """The process groups this placement made (its mesh's, its tied weights'): destroyed by
+    ``runtime.switch.release`` when a running job moves to another plan."""
     _counts: list[torch.Tensor | None] = field(default_factory=list, init=False, repr=False)
     _step_tokens: int = field(default=0, init=False, repr=False)
     _started: set[str] = field(default_factory=set, init=False, repr=False)

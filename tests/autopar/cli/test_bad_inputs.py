@@ -117,6 +117,8 @@ def cases(d) -> list[tuple[list[str], str]]:
         (["verify", f"{m}:tiny", "--plan", f"{d}/truncated.json"], "invalid JSON"),
         (["verify", f"{m}:tiny", "--plan", f"{d}/string.json"], "expected a JSON object"),
         (["verify", f"{m}:tiny", "--nproc", "3", "--global-batch", "2"], "global batch of 2 must split"),
+        (["verify", f"{m}:tiny", "--switch-at", "2"], "--switch-at K and --switch-to PLAN go together"),
+        (["verify", f"{m}:tiny", "--switch-at", "2", "--switch-to", f"{d}/missing.json"], "can't read plan"),
         (["verify", f"{m}:tiny", "--loss", f"{m}:nofunc"], "has no attribute 'nofunc'"),
         (["verify", f"{m}:tiny", "--seq", "64"], "exceeds the 32 positions"),
         (["calibrate", "gpt2", "--plan", "p.json"], "runs under torchrun"),
