@@ -122,6 +122,8 @@ class Adaptive:
         """The first placement's time, the slowest rank's (a switch's estimate starts from it)."""
         self.metrics = Metrics(self.pm, **metrics) if metrics is not None else None
         self.decisions: list[Decision] = []
+        self.windows: list[Window] = []
+        """What each decision was made on (rank 0's measurements are the ones that count)."""
         self.comm: Any = None
         """The links measured at the first window (a ``CommProfile``), None before."""
         self.disk: CheckpointCost | None = None
@@ -175,6 +177,7 @@ class Adaptive:
             left=frozenset(self._left),
             comm=self.comm,
         )
+        self.windows.append(window)
         decision: Decision = self._agree(lambda: self._rank0.decide(self.pm.plan, window))
         if decision.action == "switch":
             decision = self._switch(decision)
