@@ -24,7 +24,7 @@ MULTI_CHUNK = ("interleaved", *ZERO_BUBBLE)
 """Schedules that may run more than one model chunk (virtual stage) per rank."""
 DTYPES = ("bf16", "fp16", "fp32")
 TP_OBJECTIVES = ("time", "memory")
-GRAD_REDUCE = ("fp32", "bf16")
+GRAD_REDUCE = ("fp32", "bf16", "int8")
 """Dtypes the data-parallel gradient reduction may run in (``Strategy.grad_reduce``)."""
 COMPILE = ("off", "block")
 """How a plan compiles its model (``Strategy.compile``): eager, or each block by ``torch.compile``."""
@@ -164,7 +164,12 @@ class Strategy:
         self._check_comm_knobs()
 
     def _check_comm_knobs(self) -> None:
-        """PowerSGD, DDP's bucket size and HSDP fit the plan's data-parallel runtime."""
+        """PowerSGD, INT8 reduction, DDP's bucket size and HSDP fit the plan's data-parallel runtime."""
+        if self.grad_reduce == "int8" and not self.uses_ddp:
+            raise StrategyError(
+                "an int8 gradient reduction is a DDP comm hook (runtime.quantized): it needs dp > 1, "
+                "tp = pp = ep = 1 and ZeRO 0 or 1"
+            )
         if self.powersgd_rank and not (self.uses_ddp and self.grad_reduce == "fp32"):
             raise StrategyError(
                 f"PowerSGD (rank {self.powersgd_rank}) compresses DDP's fp32 gradient all-reduce: it "
@@ -267,8 +272,9 @@ class Strategy:
     @property
     def lossy_comm(self) -> bool:
         """Whether a communication knob drops precision the plan's dtype keeps: a gradient
-        reduction in bf16 of an fp32 or fp16 plan (fp16 has 3 more mantissa bits than bf16), or
-        PowerSGD (a low-rank approximation of every gradient matrix)."""
+        reduction in bf16 of an fp32 or fp16 plan (fp16 has 3 more mantissa bits than bf16), in
+        int8 (8-bit codes per chunk of 512), or PowerSGD (a low-rank approximation of every
+        gradient matrix)."""
         return (self.grad_reduce != "fp32" and self.grad_reduce != self.dtype) or self.powersgd_rank > 0
 
     @property

@@ -2,7 +2,10 @@
 their kernels take on the compute stream, and what they keep in memory.
 
 bf16 reduction (``Strategy.grad_reduce``) halves the bytes of every gradient collective; its
-DDP hook casts each bucket (``DDP_COMPRESS_BYTES_PER_PARAM``). PowerSGD at rank r (Vogels,
+DDP hook casts each bucket (``DDP_COMPRESS_BYTES_PER_PARAM``). int8 reduction (DDP only,
+``runtime.quantized``) all-gathers 8-bit codes with a minimum and scale per chunk of 512: about
+a quarter of fp32's bytes from each rank, but an all-gather, whose bytes grow with the ranks.
+PowerSGD at rank r (Vogels,
 Karimireddy and Jaggi 2019, "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
 Optimization", Algorithm 1; torch ``ddp_comm_hooks/powerSGD_hook.py``) views each gradient
 matrix as n × m and all-reduces P = M·Q (n × r), then Q = Mᵀ·P (m × r) after orthogonalising
@@ -16,8 +19,21 @@ from autopar.cluster import Cluster
 from autopar.cost_models.profile import ModelProfile
 from autopar.strategy import Strategy
 
-GRAD_REDUCE_BYTES = {"fp32": 4, "bf16": 2}
-"""Bytes per gradient element of the data-parallel reductions, by ``Strategy.grad_reduce``."""
+INT8_CHUNK = 512
+"""Gradient elements per int8 quantization chunk (``runtime.quantized.CHUNK``), each with an fp32
+minimum and scale."""
+
+GRAD_REDUCE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1 + 8 / INT8_CHUNK}
+"""Bytes per gradient element of the data-parallel reductions, by ``Strategy.grad_reduce`` (int8:
+a code, and a chunk's minimum and scale shared by 512 elements)."""
+
+INT8_HBM_BYTES_PER_PARAM = 45
+INT8_HBM_BYTES_PER_PARAM_PER_RANK = 33
+"""HBM bytes per gradient element of the int8 hook (``runtime.quantized``): quantizing reads the
+chunk twice for its minimum and maximum (8), subtracts and divides (read 4, write 4), rounds and
+clamps in place (16), casts to uint8 (read 4, write 1), and the mean's division (read 4, write
+4): 45; then per rank, dequantizing its copy (read 1, write 4; multiply and add, read 4 + write
+4 twice: 21) and adding it to the sum (read 8, write 4: 12): 33."""
 
 DDP_COMPRESS_BYTES_PER_PARAM = 16
 """HBM bytes per gradient element of DDP's ``bf16_compress_hook`` (torch
@@ -62,7 +78,8 @@ def compress_s_per_param(cluster: Cluster, st: Strategy) -> float:
     hooks run in backward's stream, so nothing hides them): DDP's bf16 hook at
     ``DDP_COMPRESS_BYTES_PER_PARAM`` / HBM bandwidth; PowerSGD at the larger of its FLOPs at
     the fp32 matmul rate and ``POWERSGD_HBM_BYTES_PER_PARAM`` / HBM bandwidth (memory bound
-    at small r). 0 without compression, and under FSDP2, whose ``reduce_dtype`` cast replaces the
+    at small r); the int8 hook at ``INT8_HBM_BYTES_PER_PARAM`` + p · ``…_PER_RANK`` / HBM
+    bandwidth. 0 without compression, and under FSDP2, whose ``reduce_dtype`` cast replaces the
     fp32 upcast it makes otherwise (bf16 parameters)."""
     hbm = cluster.device.hbm_bandwidth_bytes_per_s
     if st.powersgd_rank:
@@ -70,12 +87,17 @@ def compress_s_per_param(cluster: Cluster, st: Strategy) -> float:
         return max(flops / cluster.device.achievable_flops("fp32"), POWERSGD_HBM_BYTES_PER_PARAM / hbm)
     if st.uses_ddp and st.grad_reduce == "bf16":
         return DDP_COMPRESS_BYTES_PER_PARAM / hbm
+    if st.grad_reduce == "int8":
+        return (INT8_HBM_BYTES_PER_PARAM + INT8_HBM_BYTES_PER_PARAM_PER_RANK * st.dims.dp_cp) / hbm
     return 0.0
 
 
 __all__ = [
     "DDP_COMPRESS_BYTES_PER_PARAM",
     "GRAD_REDUCE_BYTES",
+    "INT8_CHUNK",
+    "INT8_HBM_BYTES_PER_PARAM",
+    "INT8_HBM_BYTES_PER_PARAM_PER_RANK",
     "POWERSGD_HBM_BYTES_PER_PARAM",
     "POWERSGD_STATE_BYTES_PER_PARAM",
     "compress_s_per_param",

@@ -28,7 +28,9 @@ def dp_coefficients(
     all-gather runs within a shard group (k ranks, stride tp), and each reduce-scatter of S bytes
     within it is followed by an all-reduce of its S/k output across the r groups (stride tp·k),
     as FSDP2 reduces each unit under HSDP: α_r = α_rs(k) + α_ar(r), σ_r = σ_rs(k) + σ_ar(r)/k.
-    The all-reduce (DDP, ZeRO 0–1) spans the whole DP axis: HSDP needs ZeRO-2/3."""
+    The all-reduce (DDP, ZeRO 0–1) spans the whole DP axis: HSDP needs ZeRO-2/3. Under int8
+    reduction it is an all-gather of each rank's codes (``runtime.quantized``): a bucket of B
+    wire bytes gathers p · B, so its seconds per wire byte are p · σ_ag(p · B)."""
     on = "_bf16" if st.grad_reduce == "bf16" else ""
     k, r, dims = st.dp_shard, st.dp_replicate, st.dims
     shard_link = comm.group_link(cluster, dims.axis("dp_shard" if r > 1 else "dp_cp"))  # + cp ranks
@@ -39,6 +41,10 @@ def dp_coefficients(
         ar_lat, ar_spb = comm.coefficients(f"all_reduce{on}", r, across, unit_grad_bytes / k)
         rs_lat, rs_spb = rs_lat + ar_lat, rs_spb + ar_spb / k
     dp_link = comm.group_link(cluster, dims.axis("dp_cp"))
+    if st.grad_reduce == "int8":  # DDP's reduction as an all-gather of every rank's codes
+        p = dims.dp_cp
+        lat, spb = comm.coefficients("all_gather", p, dp_link, p * bucket_bytes)
+        return gather, (rs_lat, rs_spb), (lat, spb * p)  # S = p · bucket gathered per bucket
     return gather, (rs_lat, rs_spb), comm.coefficients(f"all_reduce{on}", dims.dp_cp, dp_link, bucket_bytes)
 
 

@@ -33,13 +33,16 @@ def _grad_reduces(request: PlanRequest, *, tp: int, pp: int, dp: int, zero: int,
     reduced) or where bf16 would be lossy and not allowed (``Strategy.lossy_comm``); else bf16
     alone — half the bytes, the same compute and memory under FSDP2, so never slower — but both
     on DDP, whose compression hook casts each bucket on the compute stream
-    (``compression.compress_s_per_param``), a cost a fully hidden all-reduce does not repay."""
+    (``compression.compress_s_per_param``), a cost a fully hidden all-reduce does not repay; and
+    int8 on DDP where lossy communication is allowed (always lossy)."""
     c = request.constraints
     if c.grad_reduce is not None:
         return [c.grad_reduce]
     if dp == 1 or not (request.dtype == "bf16" or c.allow_lossy_comm):
         return ["fp32"]
-    return ["fp32", "bf16"] if runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero, ep=ep) else ["bf16"]
+    if not runs_on_ddp(tp=tp, pp=pp, dp=dp, zero=zero, ep=ep):
+        return ["bf16"]
+    return ["fp32", "bf16", "int8"] if c.allow_lossy_comm else ["fp32", "bf16"]
 
 
 def _replicas(request: PlanRequest, *, tp: int, dp: int, zero: int) -> list[int]:

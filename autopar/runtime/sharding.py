@@ -20,6 +20,7 @@ from torch import nn
 from autopar.graph.meta import materialize
 from autopar.plan import Plan
 from autopar.runtime.distributed import device_type, local_device, set_group_timeout
+from autopar.runtime.quantized import int8_hook
 from autopar.runtime.steps import Stages, compute_dtype
 
 
@@ -175,7 +176,8 @@ def register_comm_hook(ddp: Any, plan: Plan, group: Any) -> None:
     """The plan's gradient compression on DDP, through torch's comm hooks: PowerSGD
     (``powerSGD_hook``, error feedback and warm start on, seeded alike on every rank), or bf16
     reduction (``bf16_compress_hook``: each bucket cast to bf16 and divided by the group size,
-    all-reduced, copied back). None for fp32 reduction."""
+    all-reduced, copied back), or int8 reduction (``quantized.int8_hook``: 8-bit codes per chunk
+    of 512, all-gathered, averaged). None for fp32 reduction."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     st = plan.strategy
@@ -188,6 +190,8 @@ def register_comm_hook(ddp: Any, plan: Plan, group: Any) -> None:
         )
         hook = powerSGD_hook.powerSGD_hook
         ddp.register_comm_hook(state, hook if device_type() == "cuda" else _bucket_at_a_time(hook))
+    elif st.grad_reduce == "int8":
+        ddp.register_comm_hook(group, int8_hook)
     elif st.grad_reduce == "bf16":
         # torch's _compress_hook at bf16 under another name: DDP refuses the name
         # bf16_compress_hook without NCCL, while gloo reduces bf16 too (tested on gloo)

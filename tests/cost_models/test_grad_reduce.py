@@ -90,3 +90,67 @@ def test_a_measured_bf16_reduction_prices_bf16_gradients(small_gpt_profile) -> N
         small_gpt_profile, Cluster.preset("cpu").from_profile(comm=with_bf16), replace(st, grad_reduce="fp32")
     )
     assert fp32_terms.ar_s_per_byte == 1e-9
+
+
+def test_int8_reduction_is_priced_as_an_all_gather_of_codes(small_gpt_profile) -> None:
+    """int8 (DDP only, lossy): 1 + 8/512 bytes per gradient element from each rank, all-gathered —
+    a bucket of B wire bytes gathers p·B — so its seconds per wire byte are p · σ_ag(p·B); the
+    hook's kernels cost 45 + 33·p HBM bytes per parameter. Cheaper than fp32's all-reduce on 2
+    ranks across a slow network, dearer on 64 (the gathered bytes grow with p)."""
+    from autopar.cost_models import comm
+    from autopar.cost_models.compression import (
+        GRAD_REDUCE_BYTES,
+        INT8_HBM_BYTES_PER_PARAM,
+        INT8_HBM_BYTES_PER_PARAM_PER_RANK,
+        compress_s_per_param,
+    )
+    from autopar.cost_models.dp_comm import dp_coefficients
+
+    with pytest.raises(StrategyError, match="int8 gradient reduction is a DDP comm hook"):
+        Strategy(dp=2, zero=2, global_batch=2, grad_reduce="int8")
+    assert Strategy(dp=2, global_batch=2, grad_reduce="int8").lossy_comm
+    assert GRAD_REDUCE_BYTES["int8"] == 1 + 8 / 512
+    slow = Cluster.preset("a100-pcie-25gbe", nodes=2, gpus_per_node=1)
+    st = Strategy(dp=2, global_batch=4, micro_batch=1, seq=SEQ, dtype="fp32")
+    int8 = replace(st, grad_reduce="int8")
+    bucket = 1e6
+    _, _, (lat, spb) = dp_coefficients(slow, int8, 1.0, 1.0, bucket)
+    link = comm.group_link(slow, int8.dims.axis("dp_cp"))
+    assert (lat, spb) == pytest.approx(
+        (
+            comm.coefficients("all_gather", 2, link, 2 * bucket)[0],
+            2 * comm.coefficients("all_gather", 2, link, 2 * bucket)[1],
+        )
+    )
+    hbm = slow.device.hbm_bandwidth_bytes_per_s
+    assert compress_s_per_param(slow, int8) == pytest.approx(
+        (INT8_HBM_BYTES_PER_PARAM + 2 * INT8_HBM_BYTES_PER_PARAM_PER_RANK) / hbm
+    )
+    fp32_2, int8_2 = estimate(small_gpt_profile, slow, st), estimate(small_gpt_profile, slow, int8)
+    assert int8_2.breakdown_s["dp_comm"] < fp32_2.breakdown_s["dp_comm"] / 2
+    wide = Cluster.preset("a100-pcie-25gbe", nodes=64, gpus_per_node=1)
+    st64 = replace(st, dp=64, global_batch=64)
+    fp32_64, int8_64 = (
+        estimate(small_gpt_profile, wide, st64),
+        estimate(small_gpt_profile, wide, replace(st64, grad_reduce="int8")),
+    )
+    assert int8_64.breakdown_s["dp_comm"] > fp32_64.breakdown_s["dp_comm"]
+
+
+def test_the_planner_offers_int8_only_where_lossy_communication_is_allowed(small_gpt_profile) -> None:
+    from autopar.planner.comm_knobs import _grad_reduces
+    from autopar.request import Constraints, PlanRequest
+
+    def offered(**c: object) -> list[str]:
+        request = PlanRequest(
+            model="gpt2",
+            cluster=Cluster.preset("cpu"),
+            global_batch=2,
+            seq=SEQ,
+            dtype="fp32",
+            constraints=Constraints(**c),  # type: ignore[arg-type]
+        )
+        return _grad_reduces(request, tp=1, pp=1, dp=2, zero=0, ep=1)
+
+    assert offered() == ["fp32"]
+    assert offered(allow_lossy_comm=True) == ["fp32", "bf16", "int8"]
