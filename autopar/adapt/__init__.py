@@ -88,26 +88,26 @@ class Adaptive:
         timeout_s: float | None = None,
         metrics: dict[str, Any] | None = None,
         peak_bytes: Callable[[], float] = peak_memory_bytes,
+        on_switch: Callable[[ParallelModel], None] | None = None,
     ) -> None:
         """``build_model()`` builds the model (the same weights on every rank; called again at a
         switch, and on the meta device for rank 0's planning copy); ``start``: the first plan, or
         the cluster to plan for (``global_batch`` and ``seq`` then needed); ``steps``: the run's
         length (what a switch's gain is counted over); ``constraints``: knobs every plan keeps;
         ``metrics``: ``autopar.Metrics``' keyword arguments (its sinks also get the decisions);
-        ``peak_bytes``: this rank's peak memory (default the allocator's peak, or RSS)."""
+        ``peak_bytes``: this rank's peak memory (default the allocator's peak, or RSS);
+        ``on_switch(pm)``: called on every rank after a switch with the new ParallelModel (what
+        holds the old optimizer, an LR scheduler, is rebuilt there)."""
         self.timeout_s = init_distributed(timeout_s)
         self.config = config or AdaptConfig()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if self.config.folder is None and int(os.environ.get("LOCAL_WORLD_SIZE", self.world)) != self.world:
-            raise AutoparError(
-                "this run spans nodes: give AdaptConfig(folder=...) on a file system every node reads "
-                "(a switch moves the state through it)"
-            )
-        if isinstance(start, Plan):
-            global_batch, seq = start.strategy.global_batch, start.strategy.seq
-        if global_batch is None or seq is None:
-            raise AutoparError("Adaptive needs global_batch= and seq= to plan (or start from a Plan)")
-        self.build_model, self.steps, self.peak_bytes = build_model, steps, peak_bytes
+        global_batch, seq = _checked(self.config, start, global_batch, seq)
+        self.build_model, self.steps, self.peak_bytes, self.on_switch = (
+            build_model,
+            steps,
+            peak_bytes,
+            on_switch,
+        )
         self.loss_fn, self.optimizer_cls, self.optimizer_kwargs = loss_fn, optimizer_cls, optimizer_kwargs
         cluster = start if isinstance(start, Cluster) else Cluster.from_dict(start.cluster)
         self.replanner: Replanner | None = None
@@ -209,7 +209,7 @@ class Adaptive:
         d = self.disk
         return switch_time_s(
             place_s=self.place_s,
-            state_bytes=state_bytes(self.pm.plan.predicted["memory"][0]),
+            state_bytes=max(state_bytes(m) for m in self.pm.plan.predicted["memory"]),  # slowest rank
             save_latency_s=d.save_latency_s,
             save_s_per_byte=d.save_s_per_byte,
             load_latency_s=d.load_latency_s,
@@ -233,6 +233,8 @@ class Adaptive:
         self._switch_s, self._since = took, 0
         if self.metrics is not None:
             self.metrics.rebind(self.pm)
+        if self.on_switch is not None:
+            self.on_switch(self.pm)
         text = f"{decision.text}; the switch took {took:.3g} s (estimated {decision.switch_s:.3g} s)"
         return replace(decision, text=text, took_s=took)
 
@@ -259,6 +261,24 @@ class Adaptive:
         if kind == "error":
             raise AutoparError(value)
         return value
+
+
+def _checked(
+    config: AdaptConfig, start: Plan | Cluster, global_batch: int | None, seq: int | None
+) -> tuple[int, int]:
+    """The run's (global batch, seq); one line for what can't run: a run across nodes without a
+    shared folder, a cluster to plan for without the batch's shape."""
+    world = dist.get_world_size()
+    if config.folder is None and int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+        raise AutoparError(
+            "this run spans nodes: give AdaptConfig(folder=...) on a file system every node reads "
+            "(a switch moves the state through it)"
+        )
+    if isinstance(start, Plan):
+        return start.strategy.global_batch, start.strategy.seq
+    if global_batch is None or seq is None:
+        raise AutoparError("Adaptive needs global_batch= and seq= to plan (or start from a Plan)")
+    return global_batch, seq
 
 
 def _replanner(

@@ -165,6 +165,11 @@ def check_switch(plan: Plan, switch: tuple[int, Plan], steps: int) -> None:
     """One line for a switch ``verify`` cannot run: another world, another shape of step, or a
     step outside the run."""
     at, target = switch
+    if target.model != plan.model:
+        raise AutoparError(
+            f"the plan switched to is for {target.model!r}, the first for {plan.model!r}: "
+            "give plans of one model"
+        )
     a, b = plan.strategy, target.strategy
     if b.world_size != a.world_size or (b.global_batch, b.seq) != (a.global_batch, a.seq):
         raise AutoparError(

@@ -46,7 +46,8 @@ def test_a_lossy_reduction_needs_the_users_consent() -> None:
 def test_the_reductions_the_search_prices(dtype: str, lossy: bool) -> None:
     """bf16 reduction where it is lossless (a bf16 plan) or allowed; then bf16 alone on FSDP2
     (never slower: same compute and memory, half the bytes) and both on DDP (its hook's casts
-    cost compute), fp32 alone at dp 1; never lossy without consent."""
+    cost compute), with int8 too where lossy communication is allowed (always lossy); fp32
+    alone at dp 1; never lossy without consent."""
     strategies = outer_strategies(_request(dtype, lossy=lossy), blocks=32, heads=32)
     half = dtype == "bf16" or lossy
     for st in strategies:
@@ -55,8 +56,8 @@ def test_the_reductions_the_search_prices(dtype: str, lossy: bool) -> None:
         elif not st.uses_ddp:
             assert st.grad_reduce == "bf16", st
     ddp = {st.grad_reduce for st in strategies if st.uses_ddp}
-    assert ddp == ({"fp32", "bf16"} if half else {"fp32"})
-    assert any(st.lossy_comm for st in strategies) == (lossy and dtype != "bf16")
+    assert ddp == ({"fp32", "bf16", "int8"} if lossy else {"fp32", "bf16"} if half else {"fp32"})
+    assert any(st.lossy_comm for st in strategies) == lossy
 
 
 @pytest.mark.slow
