@@ -18,6 +18,7 @@ never plans: ``autopar.parallelize`` plans first when it is given a cluster.
     state.py       the checkpoint layout (DCP, ZeRO-1, fused-QKV shards)
     checkpoint.py  save / load checkpoint folders (atomic; another model's refused)
     switch.py      a running job moved to another plan in process (state resharded through DCP)
+    quantized.py   int8 gradient reduction (a DDP comm hook)
     distributed.py the process group and what ranks agree on
     settle.py      at exit, gloo's worker threads settle before the interpreter finalizes
     loss.py        the loss: the model's own, next-token cross-entropy, or the user's
