@@ -52,6 +52,7 @@ from autopar.adapt.policy import (
     Replanner,
     Window,
     describe,
+    probe_problem,
     strategy_key,
     verdict,
 )
@@ -195,9 +196,12 @@ class Adaptive:
         from autopar.measure.comm import measure_comm
         from autopar.measure.disk import checkpoint_cost
 
-        if self.world > 1:
+        problem = probe_problem(self.world, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+        if problem is None:
             top = self.config.probe_max_bytes
             self.comm = measure_comm(min_bytes=PROBE_MIN_BYTES, max_bytes=top, repeat=3)
+        elif self.rank == 0 and self.world > 1:
+            print(f"autopar: links not probed ({problem}): their description is kept", file=sys.stderr)
         tensors = sum(len(part) for part in self.pm.state_dict().values() if isinstance(part, dict))
         self.disk = checkpoint_cost(self.config.folder or tempfile.gettempdir(), tensors=max(1, tensors))
 

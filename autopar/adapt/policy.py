@@ -121,6 +121,17 @@ class Window:
     """The links measured, if probed."""
 
 
+def probe_problem(world: int, per_node: int) -> str | None:
+    """Why this world's links can't be probed (``measure.comm`` pairs ranks for send/recv: an
+    even count of ranks, and of nodes when there are several), or None. Every rank decides alike."""
+    nodes = world // per_node
+    if world < 2:
+        return "one rank has no links"
+    if world % 2 or (nodes > 1 and nodes % 2):
+        return f"send/recv pairs need an even count of ranks and nodes ({world} ranks, {nodes} nodes)"
+    return None
+
+
 def describe(st: Strategy, other: Strategy | None = None) -> str:
     """A plan's degrees in a few words: ``tp2 × dp2 ZeRO-1, mb 4×2``; where ``other``'s words
     are the same, the knobs that differ from it too (``pp2, mb 1×4 (schedule 1f1b, …)``)."""
@@ -300,6 +311,7 @@ __all__ = [
     "cause",
     "describe",
     "memory_reserve",
+    "probe_problem",
     "strategy_key",
     "verdict",
 ]

@@ -12,7 +12,15 @@ import random
 import pytest
 import torch
 
-from autopar.adapt.policy import AdaptConfig, Replanner, Window, memory_reserve, strategy_key, verdict
+from autopar.adapt.policy import (
+    AdaptConfig,
+    Replanner,
+    Window,
+    memory_reserve,
+    probe_problem,
+    strategy_key,
+    verdict,
+)
 from autopar.cluster import Cluster, LinkSpec
 from autopar.errors import AutoparError
 from autopar.measure.calibrate import COMM_TERMS, calibrate_cluster
@@ -222,3 +230,9 @@ def test_memory_pressure_switches_to_a_leaner_plan_that_fits() -> None:
     kept = 0.95 * capacity - stage["peak_bytes"] + 0.1 * capacity
     assert max(m["peak_bytes"] for m in new.predicted["memory"]) <= capacity
     assert max(m["reserve"] for m in new.predicted["memory"]) == pytest.approx(kept)
+
+
+def test_the_links_are_probed_only_where_ranks_pair_up() -> None:
+    assert probe_problem(2, 2) is None and probe_problem(16, 8) is None and probe_problem(8, 8) is None
+    assert "even count" in str(probe_problem(3, 3)) and "even count" in str(probe_problem(24, 8))
+    assert probe_problem(1, 1) == "one rank has no links"
