@@ -17,6 +17,7 @@ from autopar.planner import make_plan
 from autopar.request import Constraints, PlanRequest
 from autopar.runtime import ParallelModel, init_distributed
 from autopar.runtime import parallelize as place
+from autopar.runtime.distributed import from_rank0
 from autopar.runtime.loss import LossFn
 
 
@@ -57,17 +58,7 @@ def plan_for_world(request: PlanRequest) -> Plan:
             f"the cluster has {request.cluster.world_size} GPUs but {world} processes were launched; "
             "describe the cluster you launched on (e.g. Cluster.preset('cpu', gpus_per_node=N))"
         )
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("plan", make_plan(request).plan.to_json())
-        except AutoparError as e:  # every rank must hear it, not wait for a plan
-            box[0] = ("error", str(e))
-    dist.broadcast_object_list(box, src=0)
-    kind, text = box[0]
-    if kind == "error":
-        raise AutoparError(text)
-    return Plan.from_json(text)
+    return Plan.from_json(from_rank0(lambda: make_plan(request).plan.to_json()))
 
 
 def parallelize(

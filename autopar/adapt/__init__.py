@@ -60,11 +60,13 @@ from autopar.cluster import Cluster
 from autopar.cost_models.switch import state_bytes, switch_time_s
 from autopar.errors import AutoparError
 from autopar.measure.disk import CheckpointCost
+from autopar.measurements import CommProfile
 from autopar.monitor.metrics import Metrics, peak_memory_bytes
 from autopar.plan import Plan
 from autopar.request import Constraints
 from autopar.runtime import ParallelModel, init_distributed
 from autopar.runtime import parallelize as place
+from autopar.runtime.distributed import from_rank0, slowest_s
 from autopar.runtime.loss import LossFn
 from autopar.runtime.switch import switch_plan
 
@@ -103,12 +105,8 @@ class Adaptive:
         self.config = config or AdaptConfig()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         global_batch, seq = _checked(self.config, start, global_batch, seq)
-        self.build_model, self.steps, self.peak_bytes, self.on_switch = (
-            build_model,
-            steps,
-            peak_bytes,
-            on_switch,
-        )
+        self.build_model, self.steps = build_model, steps
+        self.peak_bytes, self.on_switch = peak_bytes, on_switch
         self.loss_fn, self.optimizer_cls, self.optimizer_kwargs = loss_fn, optimizer_cls, optimizer_kwargs
         cluster = start if isinstance(start, Cluster) else Cluster.from_dict(start.cluster)
         self.replanner: Replanner | None = None
@@ -116,16 +114,16 @@ class Adaptive:
         if self.rank == 0:
             self.replanner = _replanner(build_model, cluster, global_batch, seq, constraints, self.config)
         if isinstance(start, Cluster):  # rank 0 plans; every rank gets its plan
-            start = Plan.from_json(self._agree(lambda: self._rank0.plan().to_json()))
+            start = Plan.from_json(from_rank0(lambda: self._rank0.plan().to_json()))
         began = time.perf_counter()
         self.pm: ParallelModel = self._place(build_model(), start)
-        self.place_s = _slowest(time.perf_counter() - began)
+        self.place_s = slowest_s(time.perf_counter() - began)
         """The first placement's time, the slowest rank's (a switch's estimate starts from it)."""
         self.metrics = Metrics(self.pm, **metrics) if metrics is not None else None
         self.decisions: list[Decision] = []
         self.windows: list[Window] = []
         """What each decision was made on (rank 0's measurements are the ones that count)."""
-        self.comm: Any = None
+        self.comm: CommProfile | None = None
         """The links measured at the first window (a ``CommProfile``), None before."""
         self.disk: CheckpointCost | None = None
         """A checkpoint's save and load in the switch folder, measured at the first window."""
@@ -179,7 +177,7 @@ class Adaptive:
             comm=self.comm,
         )
         self.windows.append(window)
-        decision: Decision = self._agree(lambda: self._rank0.decide(self.pm.plan, window))
+        decision: Decision = from_rank0(lambda: self._rank0.decide(self.pm.plan, window))
         if decision.action == "switch":
             decision = self._switch(decision)
         self.decisions.append(decision)
@@ -226,11 +224,11 @@ class Adaptive:
         assert decision.plan is not None
         plan = Plan.from_json(decision.plan)
         old = self.pm.plan.strategy
-        folder = self._agree(lambda: self.config.folder or tempfile.mkdtemp(prefix="autopar-switch-"))
+        folder = from_rank0(lambda: self.config.folder or tempfile.mkdtemp(prefix="autopar-switch-"))
         began = time.perf_counter()
         where = Path(folder) / f"step-{decision.step}"
         self.pm = switch_plan(self.pm, self.build_model, plan, where, place=self._place)
-        took = _slowest(time.perf_counter() - began)
+        took = slowest_s(time.perf_counter() - began)
         if self.config.folder is None and self.rank == 0:
             os.rmdir(folder)
         self._left.add(strategy_key(old))
@@ -251,20 +249,6 @@ class Adaptive:
             optimizer_kwargs=self.optimizer_kwargs,
             timeout_s=self.timeout_s,
         )
-
-    def _agree(self, make: Callable[[], Any]) -> Any:
-        """Rank 0's ``make()``, on every rank (an AutoparError there is raised on every rank)."""
-        box: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                box[0] = ("ok", make())
-            except AutoparError as e:  # every rank must hear it, not wait for the value
-                box[0] = ("error", str(e))
-        dist.broadcast_object_list(box, src=0)
-        kind, value = box[0]
-        if kind == "error":
-            raise AutoparError(value)
-        return value
 
 
 def _checked(
@@ -307,13 +291,6 @@ def _replanner(
         constraints=constraints or Constraints(),
         config=config,
     )
-
-
-def _slowest(seconds: float) -> float:
-    """The largest of every rank's ``seconds``."""
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 __all__ = ["AdaptConfig", "Adaptive", "Decision", "Replanner", "Window", "describe", "verdict"]

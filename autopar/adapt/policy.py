@@ -233,10 +233,10 @@ class Replanner:
         st = running.strategy
         measured = statistics.median(window.steps_s)
         cal = calibrate_cluster(self.cluster, self.pricer, st, step_s=measured, comm=window.comm)
-        now_s = self.pricer(cal.cluster).estimate(st).step_time_s
+        now_s = cal.calibrated_step_s
         reserve = memory_reserve(running, window.peaks, self.cluster.device.memory_bytes, self.config)
         keep = self.constraints if reserve is None else replace(self.constraints, reserve_bytes=reserve)
-        facts = {
+        facts: dict[str, Any] = {
             "step": window.step,
             "measured_s": measured,
             "now_s": now_s,

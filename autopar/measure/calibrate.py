@@ -130,6 +130,8 @@ class RunCalibration:
     """The plan's breakdown priced on the described cluster."""
     calibrated_s: dict[str, float]
     """The same on the calibrated one (its sum is the measured step, but for κ's floor)."""
+    calibrated_step_s: float
+    """The plan's step priced on the calibrated cluster."""
 
     def worst_term(self) -> tuple[str, float]:
         """The term whose price moved most (calibrated ÷ described), and by how much."""
@@ -163,12 +165,14 @@ def calibrate_cluster(
         hbm_bandwidth_bytes_per_s=device.hbm_bandwidth_bytes_per_s / kappa,
     )
     calibrated = replace(linked, device=device)
+    priced = pricer(calibrated).estimate(strategy)
     return RunCalibration(
         cluster=calibrated,
         compute_scale=kappa,
         measured_step_s=step_s,
         described_s=described,
-        calibrated_s=dict(pricer(calibrated).estimate(strategy).breakdown_s),
+        calibrated_s=dict(priced.breakdown_s),
+        calibrated_step_s=priced.step_time_s,
     )
 
 

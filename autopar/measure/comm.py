@@ -32,7 +32,7 @@ import torch.distributed as dist
 from autopar.errors import AutoparError
 from autopar.measurements import GROUP_COLLECTIVES, CollectiveFit, CommProfile
 from autopar.mesh import partner
-from autopar.runtime.switch import placement_groups
+from autopar.runtime.distributed import groups_made, slowest_s
 
 Progress = Callable[[int, int, str], None]
 
@@ -180,9 +180,7 @@ def measure_overlap(size_bytes: int, device: torch.device, *, repeat: int = 5) -
 
     def slowest(op: Callable[[], None]) -> float:
         dist.barrier()
-        t = torch.tensor([_median_s(op, warmup=1, repeat=repeat, device=device)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        return slowest_s(_median_s(op, warmup=1, repeat=repeat, device=device))
 
     t_comm = slowest(lambda: dist.all_reduce(x))
 
@@ -240,9 +238,7 @@ class _Sweep:
             reps = self.repeat if size <= 16 * 2**20 else 3
             op = ops(size)
             t = _median_s(op, warmup=self.warmup, repeat=reps, device=self.device, busy=self.busy)
-            slowest = torch.tensor([t / (2 if halve else 1)], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            times.append(float(slowest))
+            times.append(slowest_s(t / (2 if halve else 1)))
             self.done += 1
         a, b = fit_line(self.sizes, times)
         self.fits.append(
@@ -291,7 +287,7 @@ def measure_comm(
     nccl = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     sizes = message_sizes(min_bytes, max_bytes)
-    with placement_groups() as made:
+    with groups_made() as made:
         groups = _groups(world, per_node)
     profile = _measure_all(groups, sizes, device, warmup, repeat, progress, max_bytes)
     dist.barrier()  # a running job probes its links (``autopar.Adaptive``): leave no groups behind

@@ -169,7 +169,8 @@ Mover = Callable[[int, Any], Any]
 
 
 def _mover(job: Job, place: Callable[[nn.Module, Plan], Any], folder: str) -> Mover:
-    """The job's switch as a ``Mover`` (the model unchanged but at its step)."""
+    """The job's switch as a ``Mover``: the same ParallelModel every step but the switch's, where it
+    moves to the job's second plan."""
     if job.switch is None:
         return lambda step, pm: pm
     at_step, target = job.switch

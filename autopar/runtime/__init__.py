@@ -38,6 +38,7 @@ from autopar.runtime.distributed import (
     agree_on_rng,
     check_plan,
     check_runnable,
+    groups_made,
     init_distributed,
 )
 from autopar.runtime.loss import LossFn, context_loss, lm_loss, resolve_objective, tail_loss, whole_logits
@@ -68,7 +69,6 @@ from autopar.runtime.steps import (
     rebind_tied,
     tied_names,
 )
-from autopar.runtime.switch import placement_groups
 
 
 def parallelize(
@@ -88,7 +88,7 @@ def parallelize(
     sharded over the data-parallel ranks under ZeRO ≥ 1; ``timeout_s``: ``init_distributed``'s.
     The process groups the placement makes are ``ParallelModel.groups`` (``switch.release``)."""
     timeout_s = init_distributed(timeout_s)
-    with placement_groups() as made:
+    with groups_made() as made:
         pm = _place(model, plan, loss_fn, optimizer_cls, optimizer_kwargs, timeout_s)
     pm.groups = made
     return pm

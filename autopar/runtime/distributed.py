@@ -6,7 +6,7 @@ import contextlib
 import datetime
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -228,6 +228,40 @@ def check_runnable(plan: Plan) -> None:
         )
 
 
+def slowest_s(seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (a MAX all-reduce): how long a collective step
+    took for the world. Collective."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def from_rank0(make: Callable[[], Any]) -> Any:
+    """Rank 0's ``make()``, on every rank (picklable values); an ``AutoparError`` there is raised
+    on every rank, which would otherwise wait for a value that never comes. Collective."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", make())
+        except AutoparError as e:
+            box[0] = ("error", str(e))
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise AutoparError(value)
+    return value
+
+
+@contextlib.contextmanager
+def groups_made() -> Iterator[list[Any]]:
+    """The process groups this rank joined inside the block (torch's registry of them), filled in
+    when it ends: what a placement (``ParallelModel.groups``) or a link probe must destroy."""
+    before = set(dist.distributed_c10d._world.pg_map)
+    made: list[Any] = []
+    yield made
+    made.extend(pg for pg in dist.distributed_c10d._world.pg_map if pg not in before)
+
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "agree_on_batch",
@@ -237,7 +271,10 @@ __all__ = [
     "check_plan",
     "check_runnable",
     "device_type",
+    "from_rank0",
+    "groups_made",
     "init_distributed",
     "local_device",
     "reduce_partial_grads",
+    "slowest_s",
 ]

@@ -4,7 +4,7 @@ The state — weights, optimizer, loss scaler — is saved under the old plan wi
 ``ParallelModel.save`` (a DCP folder: each rank writes its shards) and loaded into the model
 placed by the new plan with ``ParallelModel.load``, which reshards between any two plans of one
 model (``runtime.checkpoint``). Between the two the old placement is released: its stages and
-optimizer dropped, the process groups it made destroyed (``placement_groups``), so the old and
+optimizer dropped, the process groups it made destroyed (``ParallelModel.groups``), so the old and
 the new plan never hold memory or gloo/NCCL communicators at once. This process's random state
 is put back after the new model is built (building draws initial weights), so the steps after
 the switch draw what they would have drawn without it; the data position is the caller's (step
@@ -16,10 +16,9 @@ nodes (DCP loads another rank's shards when the new plan holds other slices).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.plan import Plan
-
-
-def _group_names() -> set[Any]:
-    """The process groups this process belongs to (torch's registry of them)."""
-    return set(dist.distributed_c10d._world.pg_map)
-
-
-@contextlib.contextmanager
-def placement_groups() -> Iterator[list[Any]]:
-    """The process groups made inside the block (a placement's mesh and tied-weight groups),
-    filled in when it ends."""
-    before = _group_names()
-    made: list[Any] = []
-    yield made
-    made.extend(pg for pg in dist.distributed_c10d._world.pg_map if pg not in before)
 
 
 def release(pm: Any) -> None:
@@ -87,4 +71,4 @@ def switch_plan(
     return new
 
 
-__all__ = ["placement_groups", "release", "switch_plan"]
+__all__ = ["release", "switch_plan"]
