@@ -12,6 +12,7 @@ from torch import nn
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
+from autopar.groups import MixedCluster
 from autopar.plan import Plan
 from autopar.planner import make_plan
 from autopar.request import Constraints, PlanRequest
@@ -23,7 +24,7 @@ from autopar.runtime.loss import LossFn
 
 def plan(
     model: str | nn.Module,
-    cluster: Cluster,
+    cluster: Cluster | MixedCluster,
     *,
     global_batch: int,
     seq_len: int,
@@ -63,7 +64,7 @@ def plan_for_world(request: PlanRequest) -> Plan:
 
 def parallelize(
     model: nn.Module,
-    plan: Plan | Cluster,
+    plan: Plan | Cluster | MixedCluster,
     *,
     global_batch: int | None = None,
     seq: int | None = None,
@@ -85,7 +86,7 @@ def parallelize(
     own, 300 s where autopar makes it).
     """
     timeout_s = init_distributed(timeout_s)
-    if isinstance(plan, Cluster):
+    if isinstance(plan, Cluster | MixedCluster):
         if global_batch is None or seq is None:
             raise AutoparError("planning here needs global_batch= and seq= (or pass a Plan)")
         dtype = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"

@@ -30,6 +30,7 @@ from autopar.spec_fields import (
     positive_int,
     quantity,
     quantity_of,
+    read_yaml,
     reject_unknown,
     require,
     string,
@@ -219,26 +220,7 @@ class Cluster:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> Cluster:
         """Read a cluster YAML file (see README for the format)."""
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise ClusterSpecError(f"cluster file {os.fspath(path)!r} does not exist") from None
-        except IsADirectoryError:
-            raise ClusterSpecError(
-                f"cluster file {os.fspath(path)!r} is a directory; give a YAML file"
-            ) from None
-        except OSError as e:
-            raise ClusterSpecError(
-                f"can't read cluster file {os.fspath(path)!r}: {e.strerror or e}"
-            ) from None
-        except yaml.YAMLError as e:  # one line: where, and what PyYAML found
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ClusterSpecError(
-                f"cluster file {os.fspath(path)!r} is not valid YAML{where}: {problem}"
-            ) from None
+        data = read_yaml(path, "cluster file")
         if data is None:
             raise ClusterSpecError(f"cluster file {os.fspath(path)!r} is empty")
         if isinstance(data, dict):  # profile paths are relative to the YAML file

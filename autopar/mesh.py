@@ -188,6 +188,11 @@ class ParallelDims:
         return tuple(n for n in names if self.axis(n).crosses_nodes(gpus_per_node))
 
 
+def node_of(rank: int, gpus_per_node: int) -> int:
+    """The node ``rank`` runs on: ranks fill nodes in order (torchrun's node ranks)."""
+    return rank // gpus_per_node
+
+
 def simulated() -> bool:
     """Whether this process simulates one rank of the mesh (``autopar dryrun``): its process
     group is torch's ``fake`` backend, whose collectives move no data and which has no timeouts,
@@ -204,4 +209,4 @@ def partner(rank: int, distance: int) -> int:
     return rank + distance if (rank // distance) % 2 == 0 else rank - distance
 
 
-__all__ = ["Axis", "ParallelDims", "partner", "simulated"]
+__all__ = ["Axis", "ParallelDims", "node_of", "partner", "simulated"]

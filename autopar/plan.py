@@ -107,6 +107,10 @@ class Plan:
     """The evidence, as ``autopar plan`` shows it: ``alternatives`` (runners-up, best first) and
     ``baselines`` (name → row, or None where it does not fit), each row a strategy with its
     predicted step time and how much slower than this plan. Not a decision: not in ``hash``."""
+    node_groups: tuple[str, ...] = ()
+    """On a mixed cluster (``groups.MixedCluster``): the node group of each node rank, node 0
+    first — launch each group's nodes with those node ranks; a rank's group is its node's.
+    Empty on one type of node."""
 
     @property
     def recompute(self) -> dict[str, str]:
@@ -138,6 +142,7 @@ class Plan:
             "optimality_gap": self.optimality_gap,
             "tensor_parallel": [[ltype, [list(op) for op in ops]] for ltype, ops in self.tensor_parallel],
             "why": copy.deepcopy(self.why),
+            **({"node_groups": list(self.node_groups)} if self.node_groups else {}),
         }
 
     @classmethod
@@ -150,7 +155,8 @@ class Plan:
             )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
-        missing = sorted(known - set(d) - {"solve_time_s", "optimality_gap", "tensor_parallel", "why"})
+        optional = {"solve_time_s", "optimality_gap", "tensor_parallel", "why", "node_groups"}
+        missing = sorted(known - set(d) - optional)
         if unknown or missing:
             what = (
                 f"unknown plan field {unknown[0]!r}" if unknown else f"plan field {missing[0]!r} is missing"
@@ -193,6 +199,7 @@ class Plan:
                 for ltype, ops in d.get("tensor_parallel", [])
             ),
             why=dict(d.get("why", {})),
+            node_groups=tuple(str(g) for g in d.get("node_groups", ())),
         )
 
     def to_json(self) -> str:
@@ -221,9 +228,11 @@ class Plan:
         st = self.strategy
         mesh = " × ".join(f"{a}{n}" for a, n in self.mesh)
         lines = [
-            f"plan {self.model} on {self.cluster['num_nodes']}× {self.cluster['name']}: mesh {mesh}"
+            f"plan {self.model} on {cluster_title(self.cluster)}: mesh {mesh}"
             + (f" ({', '.join(self.crosses_nodes)} across nodes)" if self.crosses_nodes else ""),
-            f"zero {st.zero}; micro-batch {st.micro_batch} × {st.micro_batches}; global batch "
+            f"zero {st.zero}; micro-batch {st.micro_batch} × {st.micro_batches}"
+            + (f" (per replica {', '.join(map(str, st.dp_shares))})" if st.dp_shares else "")
+            + "; global batch "
             f"{st.global_batch}; seq {st.seq}; schedule {st.schedule}"
             + (f" v={st.virtual_stages}" if st.virtual_stages > 1 else "")
             + f"; sequence parallel {'on' if st.sequence_parallel else 'off'}"
@@ -245,6 +254,7 @@ class Plan:
             + (f"; DDP buckets of {st.bucket_mb:g} MiB" if st.uses_ddp else "")
             + ("; each block compiled (torch.compile)" if st.compile == "block" else ""),
         ]
+        lines.extend(_group_lines(self.node_groups, self.predicted))
         for s in self.stages:
             rc = s.recompute_summary
             lines.append(f"stage {s.index}: {s.layers_summary[:-1]} layers; recompute {rc})")
@@ -252,6 +262,41 @@ class Plan:
         for ltype, ops in self.tensor_parallel:
             lines.append(f"tensor parallel {ltype}: " + (", ".join(_tp_summary(ops)) or "all replicated"))
         return "\n".join(lines)
+
+
+def cluster_title(cluster: dict[str, Any]) -> str:
+    """``N× name`` of a plan's cluster, or each node group's for a mixed one."""
+    if "groups" in cluster:
+        groups = " + ".join(f"{g['num_nodes']}× {g['name']}" for g in cluster["groups"])
+        return f"{cluster.get('name', 'mixed')} ({groups})"
+    return f"{cluster['num_nodes']}× {cluster['name']}"
+
+
+def _ranges(items: list[int]) -> str:
+    """``0–3, 6`` for [0, 1, 2, 3, 6]."""
+    out: list[str] = []
+    for i in items:
+        if out and out[-1].split("–")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('–')[0]}–{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def _group_lines(node_groups: tuple[str, ...], predicted: dict[str, Any]) -> list[str]:
+    """A mixed plan's node ranks per group and what each group runs and waits."""
+    if not node_groups:
+        return []
+    lines = []
+    for g in predicted.get("groups", ()):
+        nodes = [i for i, name in enumerate(node_groups) if name == g["group"]]
+        lines.append(
+            f"group {g['group']} ({g['gpus']}× {g['device']}; node ranks {_ranges(nodes)}): pipeline "
+            f"ranks {_ranges(g['pipeline_ranks'])}, replicas {_ranges(g['replicas'])}, "
+            f"{'/'.join(map(str, g['micro_batches']))} micro-batches each; busy {g['busy_s']:.3g} s, "
+            f"idle {g['idle_s']:.3g} s of the step ({100 * g['idle_share']:.0f}%)"
+        )
+    return lines
 
 
 def _expert_note(st: Strategy, predicted: dict[str, Any]) -> str:

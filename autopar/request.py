@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
+from autopar.groups import MixedCluster
 from autopar.knobs import constraint_fields, constraint_problem, knobs
 
 if TYPE_CHECKING:
@@ -65,8 +66,9 @@ class PlanRequest:
     model: str | nn.Module
     """A MODEL spec (zoo name, ``file.py:factory``, ``package.module:factory``) or a module
     (captured on fake tensors: its weights are never read)."""
-    cluster: Cluster
-    """Where it trains (with measured profiles attached, if any: ``Cluster.from_profile``)."""
+    cluster: Cluster | MixedCluster
+    """Where it trains (with measured profiles attached, if any: ``Cluster.from_profile``), or
+    node groups of different devices (``groups.MixedCluster``)."""
     global_batch: int
     """Sequences per optimizer step."""
     seq: int
@@ -118,10 +120,19 @@ class PlanRequest:
         return self.model if isinstance(self.model, str) else type(self.model).__name__
 
     @property
+    def one_type(self) -> Cluster:
+        """The cluster of one type of node (a mixed cluster is planned by ``planner.mixed``
+        through its ``ideal`` cluster)."""
+        if isinstance(self.cluster, MixedCluster):
+            raise TypeError("this step plans one type of node: give it the mixed cluster's ideal()")
+        return self.cluster
+
+    @property
     def capacity_bytes(self) -> float:
         """Memory a plan may use per GPU: the device's, or the cap if lower."""
+        cluster = self.cluster.ideal() if isinstance(self.cluster, MixedCluster) else self.cluster
         cap = self.constraints.memory_cap_bytes
-        return min(self.cluster.device.memory_bytes, cap) if cap else self.cluster.device.memory_bytes
+        return min(cluster.device.memory_bytes, cap) if cap else cluster.device.memory_bytes
 
 
 def pinned(request: PlanRequest, st: Strategy) -> PlanRequest:

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
+
+import yaml
 
 from autopar.errors import ClusterSpecError
 from autopar.units import parse_quantity
@@ -82,3 +85,23 @@ def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, A
         else:
             out[k] = v
     return out
+
+
+def read_yaml(path: str | os.PathLike[str], what: str) -> Any:
+    """``path``'s YAML (None when empty); a missing, unreadable or malformed file is one line
+    naming ``what`` and the file (for a parse error: where, and what PyYAML found)."""
+    name = os.fspath(path)
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ClusterSpecError(f"{what} {name!r} does not exist") from None
+    except IsADirectoryError:
+        raise ClusterSpecError(f"{what} {name!r} is a directory; give a YAML file") from None
+    except OSError as e:
+        raise ClusterSpecError(f"can't read {what} {name!r}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ClusterSpecError(f"{what} {name!r} is not valid YAML{where}: {problem}") from None

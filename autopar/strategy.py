@@ -14,12 +14,10 @@ from autopar.errors import StrategyError
 from autopar.knobs import field_problem, knob
 from autopar.mesh import ParallelDims
 from autopar.recompute_policy import RECOMPUTE, RecomputePolicy
+from autopar.runs import ZERO_BUBBLE, runs_on_ddp, runs_with_policies, runs_with_zero, shares_problem
 from autopar.splits import V_SHAPE, even_split, fewest_blocks, least_rank_blocks
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")
-ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
-"""Schedules that split each backward into its input-gradient (B) and weight-gradient (W) parts
-and run the W parts in what would be bubble (Qi et al. 2024, "Zero Bubble Pipeline Parallelism")."""
 MULTI_CHUNK = ("interleaved", *ZERO_BUBBLE)
 """Schedules that may run more than one model chunk (virtual stage) per rank."""
 DTYPES = ("bf16", "fp16", "fp32")
@@ -151,6 +149,10 @@ class Strategy:
     policies: tuple[RecomputePolicy, ...] = ()
     """The per-operator recompute policies this strategy may use (selective activation
     checkpointing), after none, selective and full."""
+    dp_shares: tuple[int, ...] = ()
+    """Micro-batches each data-parallel replica runs per step, replica 0 first (a mixed cluster's
+    faster replicas take more: ``runs.shares_problem`` says where that is exact); empty: every
+    replica runs ``micro_batches``."""
 
     def __post_init__(self) -> None:
         if why := field_problem(Strategy, self):  # each knob's type, bounds and choices
@@ -162,6 +164,9 @@ class Strategy:
             raise StrategyError(f"recompute must be one of {', '.join(self.choices)}, got {self.recompute!r}")
         self._check_batch_and_layout()
         self._check_comm_knobs()
+        shares = dict(dp=self.dp, micro_batch=self.micro_batch, global_batch=self.global_batch)
+        if unshared := shares_problem(self.dp_shares, **shares, zero=self.zero, cp=self.cp, ep=self.ep):
+            raise StrategyError(unshared)
 
     def _check_comm_knobs(self) -> None:
         """PowerSGD, INT8 reduction, DDP's bucket size and HSDP fit the plan's data-parallel runtime."""
@@ -324,6 +329,15 @@ class Strategy:
         """Micro-batches per pipeline per step: m = B / (dp · b)."""
         return self.global_batch // (self.dp * self.micro_batch)
 
+    def replica_micro_batches(self, replica: int) -> int:
+        """Micro-batches data-parallel replica ``replica`` runs per step (``dp_shares``)."""
+        return self.dp_shares[replica] if self.dp_shares else self.micro_batches
+
+    def replica_rows(self, replica: int) -> tuple[int, int]:
+        """The rows [start, stop) of the global batch data-parallel replica ``replica`` trains on."""
+        counts = [self.replica_micro_batches(d) for d in range(replica + 1)]
+        return sum(counts[:-1]) * self.micro_batch, sum(counts) * self.micro_batch
+
     def chunk_rank(self, chunk: int) -> int:
         """The pipeline rank that runs model chunk ``chunk`` (of p·v): c mod p (looped: Megatron's
         interleaving, torch's ``ScheduleInterleaved*``), or in a V (``V_SHAPE``) c for c < p and
@@ -382,6 +396,7 @@ class Strategy:
         d = asdict(self)
         d["layout"] = [list(c) for c in self.layout]
         d["policies"] = [p.to_dict() for p in self.policies]
+        d["dp_shares"] = list(self.dp_shares)
         return d
 
     @classmethod
@@ -394,6 +409,7 @@ class Strategy:
             raise StrategyError(f"unknown plan field {unknown[0]!r}; expected {', '.join(sorted(known))}")
         d["layout"] = tuple(tuple(c) for c in d.get("layout", ()))
         d["policies"] = tuple(RecomputePolicy.from_dict(p) for p in d.get("policies", ()))
+        d["dp_shares"] = tuple(d.get("dp_shares", ()))
         return cls(**d)
 
 
@@ -443,33 +459,14 @@ def check_strategy(
         raise StrategyError(f"seq {s.seq} exceeds the model's maximum {seq_limit}")
 
 
-def runs_on_ddp(*, tp: int, pp: int, dp: int, zero: int, ep: int = 1) -> bool:
-    """Whether these degrees run the data-parallel axis on DDP (``Strategy.uses_ddp``)."""
-    return dp > 1 and tp == 1 and pp == 1 and ep == 1 and zero <= 1
-
-
-def runs_with_zero(schedule: str, zero: int) -> bool:
-    """Whether ``schedule`` runs under ZeRO stage ``zero`` on a data-parallel pipeline: not a
-    zero-bubble schedule with ZeRO-3 (FSDP2 reshards the weights before torch's separate
-    weight-gradient pass; gradients measured wrong)."""
-    return not (schedule in ZERO_BUBBLE and zero == 3)
-
-
-def runs_with_policies(schedule: str, pp: int) -> bool:
-    """Whether ``schedule`` runs blocks under per-operator recompute policies: not a zero-bubble
-    schedule over pp > 1 (it runs backward twice over each block, input gradients then weight
-    gradients, and torch's selective activation checkpointing replays its saved outputs once:
-    "Trying to backward an extra time", seen in a dry run of Llama 3 405B's plan)."""
-    return not (schedule in ZERO_BUBBLE and pp > 1)
-
-
 def _check_schedule(s: Strategy) -> None:
     """The micro-batch count and layout the pipeline schedule needs (torch's schedules refuse
     the rest)."""
-    m, p = s.micro_batches, s.pp
+    p = s.pp
+    m = min(s.dp_shares or (s.micro_batches,))
     if s.schedule == "interleaved" and s.virtual_stages < 2:
         raise StrategyError("the interleaved schedule needs --virtual-stages >= 2")
-    if s.schedule in ("interleaved", "interleaved-zb") and p > 1 and m % p:
+    if s.schedule in ("interleaved", "interleaved-zb") and p > 1 and any(x % p for x in s.dp_shares or (m,)):
         raise StrategyError(f"{s.schedule}: {m} micro-batches are not a multiple of pp={p}")
     if s.schedule in V_SHAPE and m < 2 * p:
         raise StrategyError(

@@ -18,6 +18,7 @@ writes ~30 bytes per parameter it owns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,11 +105,18 @@ class Estimate:
     band: Band | None = None
     """How far predictions of this regime have been from measured runs they never saw
     (``bands.band``); None where the cluster's measured compute profile prices the step."""
+    stage_capacity_bytes: tuple[float, ...] = ()
+    """Each pipeline rank's device memory where ranks differ (a mixed cluster: the smallest of
+    its replicas'); empty: ``memory_capacity_bytes`` on every rank."""
+    groups: tuple[dict[str, Any], ...] = ()
+    """A mixed cluster's node groups: what each runs and how long its devices wait
+    (``cost_models.mixed.group_summaries``)."""
 
     @property
     def fits(self) -> bool:
-        """Every stage's peak fits in device memory."""
-        return all(m.peak_bytes <= self.memory_capacity_bytes for m in self.memory)
+        """Every stage's peak fits in its device's memory."""
+        caps = self.stage_capacity_bytes or (self.memory_capacity_bytes,) * len(self.memory)
+        return all(m.peak_bytes <= c for m, c in zip(self.memory, caps, strict=True))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -130,6 +138,10 @@ class Estimate:
             "p2p_hop_s": self.p2p_hop_s,
             "recompute_choices": {k: dict(v) for k, v in self.recompute_choices.items()},
             "band": self.band.to_dict() if self.band is not None else None,
+            **(
+                {"stage_capacity_bytes": list(self.stage_capacity_bytes)} if self.stage_capacity_bytes else {}
+            ),
+            **({"groups": [dict(g) for g in self.groups]} if self.groups else {}),
         }
 
 
@@ -150,12 +162,12 @@ def estimate(
 
     counts = st.blocks_per_rank(profile.blocks)
     loads = [rank_load(terms, k, c) for k, c in enumerate(counts)]
-    breakdown = _breakdown(terms, st, loads)
+    breakdown = breakdown_s([terms] * st.pp, loads, p2p_s=terms.p2p_s)
     step = sum(breakdown.values())
     mem = tuple(StageMemory(stage=k, **rank_memory_terms(terms, k, load)) for k, load in enumerate(loads))
 
     tokens = st.global_batch * st.seq
-    model_flops, hardware_flops = _step_flops(profile, terms, st, counts)
+    model_flops, hardware_flops = step_flops(profile, terms, st, counts)
     world = st.world_size
     peak = cluster.device.peak_flops.get(st.dtype, cluster.device.peak_flops["bf16"])
     tflops = model_flops / step / world / 1e12
@@ -238,28 +250,31 @@ def _topology_notes(terms: Terms, cluster: Cluster, st: Strategy) -> list[str]:
     return notes
 
 
-def _breakdown(terms: Terms, st: Strategy, loads: list[RankLoad]) -> dict[str, float]:
+def breakdown_s(rank_terms: Sequence[Terms], loads: Sequence[RankLoad], *, p2p_s: float) -> dict[str, float]:
     """Step time by term: the slowest rank's m micro-batches, the schedule's bubble in its
     micro-batch times (``pipeline.bubble_rounds``: (p − 1)/v for 1F1B and interleaving), and the
-    worst rank's exposed DP/ZeRO communication and optimizer step."""
+    worst rank's exposed DP/ZeRO communication and optimizer step. Each pipeline rank is priced
+    by its own terms (a mixed cluster's ranks differ: ``cost_models.mixed``); ``p2p_s``: the
+    slowest send per micro-batch between them."""
+    st = rank_terms[0].strategy
     m, p = st.micro_batches, st.pp
     slow = max(range(p), key=lambda k: loads[k].time_s)
     r = loads[slow]
-    t_mb = r.time_s + terms.p2p_s
+    t_mb = r.time_s + p2p_s
     ep = {"ep_comm": m * r.ep_s} if st.ep > 1 else {}  # the all-to-alls, apart from TP's
     return {
         "compute": m * r.compute_s,
         "recompute": m * r.recompute_s,
         "tp_comm": m * (r.tp_s - r.ep_s),
         **ep,
-        "p2p": m * terms.p2p_s,
-        "bubble": terms.bubble_rounds * t_mb,
-        "dp_comm": max(dp_exposed_s(terms, load) for load in loads),
-        "optimizer": max(optimizer_s(terms, load) for load in loads),
+        "p2p": m * p2p_s,
+        "bubble": rank_terms[slow].bubble_rounds * t_mb,
+        "dp_comm": max(dp_exposed_s(t, load) for t, load in zip(rank_terms, loads, strict=True)),
+        "optimizer": max(optimizer_s(t, load) for t, load in zip(rank_terms, loads, strict=True)),
     }
 
 
-def _step_flops(
+def step_flops(
     profile: ModelProfile, terms: Terms, st: Strategy, counts: list[tuple[int, ...]]
 ) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs: model + recomputed) of one step."""

@@ -445,7 +445,6 @@ def build_terms(
     block_type = profile.layers[1]
     p, v, m = st.pp, st.virtual_stages, st.micro_batches
     p2p_bytes = st.rank_tokens * profile.hidden * profile.act_bytes / t  # scatter/gather: ÷t
-    pp_link = comm.group_link(cluster, st.dims.axis("pp"))
     dp_link = comm.group_link(cluster, st.dims.axis("dp_cp"))  # the ranks reducing gradients
     rank_params = (profile.blocks * blocks["none"].params + embed.params + head.params) / p  # DDP: p = 1
     ratio = blocks["none"].deferred_bytes / max(blocks["none"].act_bytes, 1.0)  # a block's G / A
@@ -459,7 +458,7 @@ def build_terms(
         embed=embed,
         head=head,
         block_type=block_type,
-        p2p_s=2 * v * comm.p2p_time_s(p2p_bytes, pp_link) if p > 1 else 0.0,
+        p2p_s=p2p_s(profile, cluster, st),
         inflight=tuple(a for a, _ in held),
         deferred=tuple(d for _, d in held),
         bubble_rounds=_bubble_rounds(st, blocks["none"]),
@@ -480,6 +479,15 @@ def build_terms(
         tp_crosses_nodes=tp_link.crosses_nodes,
         **expert_factors(cluster, st),
     )
+
+
+def p2p_s(profile: ModelProfile, cluster: Cluster, st: Strategy) -> float:
+    """A pipeline rank's sends per micro-batch on ``cluster``'s pipeline link: 2v activations or
+    gradients of b·s/cp tokens × hidden, split over the t TP ranks (scatter/gather); 0 at pp 1."""
+    if st.pp == 1:
+        return 0.0
+    size = st.rank_tokens * profile.hidden * profile.act_bytes / st.tp
+    return 2 * st.virtual_stages * comm.p2p_time_s(size, comm.group_link(cluster, st.dims.axis("pp")))
 
 
 def _default_reserve_bytes(device: DeviceSpec) -> float:

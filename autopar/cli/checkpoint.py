@@ -43,7 +43,7 @@ def changes(old: Plan, new: Plan) -> dict[str, list[Any]]:
 
 
 def cmd_replan(args: argparse.Namespace, console: Console) -> None:
-    from autopar.cluster import Cluster
+    from autopar.groups import load_one_type
     from autopar.planner import make_plan
     from autopar.request import Constraints, PlanRequest
     from autopar.runtime.checkpoint import saved_plan, trainer_state
@@ -54,7 +54,9 @@ def cmd_replan(args: argparse.Namespace, console: Console) -> None:
     if old is None:
         raise AutoparError(f"the checkpoint {str(folder)!r} was saved without its plan (by plain DCP)")
     st = old.strategy
-    cluster = Cluster.load(args.cluster, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    cluster = load_one_type(
+        args.cluster, what="autopar replan", nodes=args.nodes, gpus_per_node=args.gpus_per_node
+    )
     progress(args, f"planning {args.model} for {cluster.world_size} GPUs …")
     request = PlanRequest(
         model=args.model,

@@ -75,14 +75,14 @@ def _plan(args: argparse.Namespace) -> Any:
         return read_plan(args.plan)
     if args.cluster is None or args.global_batch is None:
         raise AutoparError("give --plan plan.json, or --cluster and --global-batch to plan here")
-    from autopar.cluster import Cluster
+    from autopar.groups import load_one_type
     from autopar.planner import make_plan
     from autopar.request import PlanRequest
     from autopar.zoo.registry import model_seq
 
     request = PlanRequest(
         model=args.model,
-        cluster=Cluster.load(args.cluster, nodes=args.nodes),
+        cluster=load_one_type(args.cluster, what="autopar dryrun", nodes=args.nodes),
         global_batch=args.global_batch,
         seq=model_seq(args.model, args.seq, dtype=args.dtype),
         dtype=args.dtype,

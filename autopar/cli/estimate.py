@@ -136,13 +136,15 @@ def _print_checks(console: Console, checks: list[dict[str, Any]]) -> None:
 
 
 def cmd_estimate(args: argparse.Namespace, console: Console) -> None:
-    from autopar.cluster import Cluster
+    from autopar.groups import load_one_type
     from autopar.planner import ModelProfiles, Pricer
     from autopar.planner.recompute_ilp import recompute_choices
     from autopar.strategy import Strategy, check_strategy
     from autopar.zoo.registry import model_seq
 
-    cluster = Cluster.load(args.cluster, nodes=args.nodes).from_profile(compute=args.profile, comm=args.comm)
+    cluster = load_one_type(args.cluster, what="autopar estimate", nodes=args.nodes).from_profile(
+        compute=args.profile, comm=args.comm
+    )
     seq = model_seq(args.model, args.seq, dtype=args.dtype)
     knob = knob_values(args)
     strategy = Strategy.for_world(

@@ -24,6 +24,7 @@ from autopar.cli.common import (
 )
 from autopar.cli.dryrun import check_top
 from autopar.cost_models.bands import band_text
+from autopar.errors import AutoparError
 from autopar.files import check_writable, write_atomic
 from autopar.plan import Plan
 from autopar.units import format_bytes
@@ -62,14 +63,22 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> None:
-    from autopar.cluster import Cluster
+    from autopar.groups import MixedCluster, load_cluster
     from autopar.planner import ModelProfiles, make_plan
     from autopar.request import PlanRequest
     from autopar.zoo.registry import model_seq
 
     if args.out:
         check_writable(args.out)  # before the work, not after it
-    cluster = Cluster.load(args.cluster, nodes=args.nodes).from_profile(compute=args.profile, comm=args.comm)
+    cluster = load_cluster(args.cluster, nodes=args.nodes)
+    if isinstance(cluster, MixedCluster):
+        if args.profile or args.comm or args.check:
+            raise AutoparError(
+                f"{args.cluster} has node groups: --profile, --comm and --check work on one type of node "
+                "for now; drop them"
+            )
+    else:
+        cluster = cluster.from_profile(compute=args.profile, comm=args.comm)
     request = PlanRequest(
         model=args.model,
         cluster=cluster,
@@ -147,15 +156,15 @@ def _print_plan(console: Console, plan: Plan) -> None:
     console.print(lines[0])
     console.print(lines[1])
     for line in lines:  # per-operator TP strategies and recompute policies of the block type
-        if line.startswith(("tensor parallel ", "recompute ")):
+        if line.startswith(("group ", "tensor parallel ", "recompute ")):
             console.print(line)
     table = Table(title="stages", show_edge=False, title_justify="left")
     comm = "of which TP/CP comm" if plan.strategy.cp > 1 else "of which TP comm"  # cp's K/V gathers too
     cols = ("stage", "layers", "recompute", "time/micro-batch", comm)
     for col in (*cols, "states", "activations", "other", "peak"):
         table.add_column(col, justify="left" if col in ("layers", "recompute") else "right")
-    capacity = format_bytes(pred["memory_capacity_bytes"])
-    for s, mem in zip(plan.stages, pred["memory"], strict=True):
+    capacities = pred.get("stage_capacity_bytes") or [pred["memory_capacity_bytes"]] * len(plan.stages)
+    for s, mem, cap in zip(plan.stages, pred["memory"], capacities, strict=True):
         states = mem["weights"] + mem["gradients"] + mem["optimizer"]
         other = mem["loss"] + mem["comm_buffers"] + mem["reserve"]
         table.add_row(
@@ -167,7 +176,7 @@ def _print_plan(console: Console, plan: Plan) -> None:
             format_bytes(states),
             format_bytes(mem["activations"]),
             format_bytes(other),
-            f"{format_bytes(mem['peak_bytes'])} / {capacity}",
+            f"{format_bytes(mem['peak_bytes'])} / {format_bytes(cap)}",
         )
     console.print(table)
     console.print(

@@ -60,7 +60,7 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_verify(args: argparse.Namespace, console: Console) -> None:
-    from autopar.cluster import Cluster
+    from autopar.groups import load_one_type
     from autopar.measure.ranks import resolve_loss
     from autopar.measure.verify import verify_plan
     from autopar.planner import ModelProfiles, make_plan
@@ -77,7 +77,7 @@ def cmd_verify(args: argparse.Namespace, console: Console) -> None:
     if plan is None:
         request = PlanRequest(
             model=args.model,
-            cluster=Cluster.load(args.cluster, gpus_per_node=args.nproc),
+            cluster=load_one_type(args.cluster, what="planning in autopar verify", gpus_per_node=args.nproc),
             global_batch=args.global_batch,
             seq=args.seq,
             dtype=dtype,

@@ -99,9 +99,9 @@ def time_plans(
     for i in range(warmup + steps):
         for k, ((_, plan), pm) in enumerate(zip(plans, placed, strict=True)):
             st = plan.strategy
-            local = st.global_batch // st.dp
+            start, stop = st.replica_rows(pm.dp_rank)
             batch = torch.randint(0, vocab, (st.global_batch, st.seq), generator=generator)
-            mine = batch[pm.dp_rank * local : (pm.dp_rank + 1) * local]
+            mine = batch[start:stop]
             dist.barrier()
             t0 = time.perf_counter()
             pm.train_step(mine)

@@ -230,7 +230,8 @@ def dry_run(make_model: Callable[[], nn.Module], plan: Plan, rank: int, *, steps
             what = "applying the plan (capture, passes, sharding, schedule, optimizer)"
             pm = parallelize(model, plan)
             st = plan.strategy
-            batch = torch.randint(0, 2, (st.global_batch // st.dp, st.seq))
+            start, stop = st.replica_rows(pm.dp_rank)
+            batch = torch.randint(0, 2, (stop - start, st.seq))
             what = "making the optimizer's state"
             make_optimizer_state(pm)
             for step in range(1, steps):

@@ -195,9 +195,9 @@ def _traced_steps(
     for step in range(steps):
         pm = move(step, pm) if move is not None else pm
         st = pm.plan.strategy
-        local, at = st.global_batch // st.dp, pm.dp_rank
+        start, stop = st.replica_rows(pm.dp_rank)
         with comm if step == 0 else contextlib.nullcontext():
-            micro = pm.backward(data[step, at * local : (at + 1) * local])
+            micro = pm.backward(data[step, start:stop])
         scale = float(pm.scaler.get_scale()) if pm.scaler is not None else 1.0
         grads = (
             pm.full_grads() if trace else {}
@@ -243,7 +243,7 @@ def _checkpoint_round_trip(
     probe = torch.randint(
         0,
         16,
-        (plan.strategy.global_batch // plan.strategy.dp, plan.strategy.seq),
+        (plan.strategy.replica_micro_batches(pm.dp_rank) * plan.strategy.micro_batch, plan.strategy.seq),
         generator=torch.Generator().manual_seed(7),
     )
     losses = []

@@ -17,7 +17,7 @@ from autopar.cost_models.bands import band_text
 from autopar.cost_models.timeline import simulate, stage_times_from_dicts
 from autopar.errors import AutoparError
 from autopar.monitor import figures
-from autopar.plan import Plan
+from autopar.plan import Plan, cluster_title
 from autopar.units import format_bytes
 
 STYLE = """
@@ -80,7 +80,7 @@ def report_html(
             else []
         ),
         "<h2>Stages</h2>",
-        _stages_table(plan),
+        _stages_table(plan) + _groups_table(plan),
         "<h2>Why this plan: runners-up and baselines</h2>",
         _why_table(plan),
     ]
@@ -150,7 +150,7 @@ def _header(plan: Plan) -> str:
         f"<td>solved in</td><td>{plan.solve_time_s:.2f} s (proven gap {100 * plan.optimality_gap:.2f}%)</td>"
     )
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in p.get("notes", []))
-    where = f"{plan.model} on {plan.cluster['num_nodes']}× {plan.cluster['name']}"
+    where = f"{plan.model} on {cluster_title(plan.cluster)}"
     return (
         f"<h1>{html.escape(where)}</h1>"
         f"<pre>{html.escape(plan.text())}</pre>"
@@ -207,6 +207,24 @@ def _memory_table(plan: Plan) -> str:
         rows.append(f"<td>stage {k}</td>{cells}")
     head = ["", *(t.replace("_", " ") for t in figures.MEMORY_TERMS), "peak"]
     return _table(head, rows)
+
+
+def _groups_table(plan: Plan) -> str:
+    """A mixed cluster's groups: their node ranks, what each runs, its devices' busy and idle time
+    (nothing on one type of node)."""
+    if not plan.node_groups:
+        return ""
+    rows = []
+    for g in plan.predicted.get("groups", ()):
+        nodes = [i for i, name in enumerate(plan.node_groups) if name == g["group"]]
+        rows.append(
+            f"<td>{html.escape(g['group'])}</td><td>{g['gpus']}× {html.escape(g['device'])}</td>"
+            f"<td>{nodes}</td><td>{g['pipeline_ranks']}</td><td>{g['replicas']}</td>"
+            f"<td>{'/'.join(map(str, g['micro_batches']))}</td>"
+            f"<td>{g['busy_s']:.4g} s</td><td>{g['idle_s']:.4g} s ({100 * g['idle_share']:.0f}%)</td>"
+        )
+    head = ["group", "devices", "node ranks", "pipeline ranks", "replicas", "micro-batches", "busy", "idle"]
+    return "<h2>Node groups</h2>" + _table(head, rows)
 
 
 def _stages_table(plan: Plan) -> str:

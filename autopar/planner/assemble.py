@@ -9,13 +9,16 @@ from dataclasses import dataclass, replace
 
 from autopar.cluster import Cluster
 from autopar.cost_models.estimate import stage_chunks
+from autopar.cost_models.mixed import replica_classes
 from autopar.cost_models.rank_load import rank_load
 from autopar.errors import InfeasibleError
+from autopar.groups import MixedCluster
 from autopar.mesh import ParallelDims
 from autopar.plan import Plan, StagePlan, validate_plan
+from autopar.planner.mixed import mixed_search
 from autopar.planner.pricing import Pricer
 from autopar.planner.profiles import ModelProfiles
-from autopar.planner.search import Candidate, Progress, search
+from autopar.planner.search import Candidate, Progress, SearchResult, search
 from autopar.planner.tp_layouts import plan_tables
 from autopar.request import Constraints, PlanRequest
 from autopar.strategy import Strategy, StrategyError
@@ -48,9 +51,11 @@ def make_plan(
     start = time.perf_counter()
     profiles = profiles or ModelProfiles.of(request.model, dtype=request.dtype, seq=request.seq)
     base = profiles.base
-    check_constraints(request.constraints, request.cluster, blocks=base.blocks, heads=base.heads)
+    if isinstance(request.cluster, MixedCluster):
+        return make_mixed_plan(request, profiles, progress=progress)
+    check_constraints(request.constraints, request.one_type, blocks=base.blocks, heads=base.heads)
     pricer = Pricer(
-        profiles, request.cluster, dtype=request.dtype, reserve_bytes=request.constraints.reserve_bytes
+        profiles, request.one_type, dtype=request.dtype, reserve_bytes=request.constraints.reserve_bytes
     )
     res = search(request, pricer, progress)
     if not res.found:
@@ -64,6 +69,18 @@ def make_plan(
         capacity_bytes=request.capacity_bytes,
     )
     alternatives, hand = tuple(res.found[1:]), baselines(request, pricer)
+    return _result(plan, best, alternatives, hand, res, start)
+
+
+def _result(
+    plan: Plan,
+    best: Candidate,
+    alternatives: tuple[Candidate, ...],
+    hand: dict[str, Candidate | None],
+    res: SearchResult,
+    start: float,
+) -> PlanResult:
+    """The plan with its evidence (``Plan.why``: rows against the plan, tied within its band)."""
     best_s = plan.predicted["step_time_s"]
     rel = best.estimate.band.rel if best.estimate.band is not None else 0.0
     why = {
@@ -125,18 +142,33 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) -> Plan:
+def to_plan(
+    model: str, pricer: Pricer, cand: Candidate, solve_time_s: float, *, mixed: MixedCluster | None = None
+) -> Plan:
     """Wrap a candidate as a Plan keyed by layer names; its per-operator TP table is solved on
-    the graph captured at exactly the plan's micro-batch."""
+    the graph captured at exactly the plan's micro-batch. ``mixed``: the node groups the
+    candidate is placed on (``Candidate.node_groups``); a stage's time is its slowest device's."""
     st, est = cand.strategy, cand.estimate
     profile, cluster = pricer.profiles.at(st.rank_sequences), pricer.cluster
-    terms = pricer.terms(st)
     counts = st.blocks_per_rank(profile.blocks)
+    if mixed is None:
+        rank_terms = [[pricer.terms(st)]] * st.pp
+    else:
+        found = replica_classes(
+            profile,
+            mixed,
+            st,
+            cand.node_groups,
+            reserve_bytes=pricer.reserve_bytes,
+            tp_layout=pricer.layouts(st),
+            units=pricer.units,
+        )
+        rank_terms = [[c.terms[k] for c in found] for k in range(st.pp)]
     edge = (profile.layer_names[0], profile.layer_names[-1])
     stages = []
     for k, chunks in enumerate(stage_chunks(profile, st)):
         layers = [name for chunk in chunks for name in chunk]
-        load = rank_load(terms, k, counts[k])
+        load = max((rank_load(t, k, counts[k]) for t in rank_terms[k]), key=lambda x: x.time_s)
         blocks = [x for x in layers if x not in edge]
         # leanest first: full, the policies (fewest bytes kept first), selective, none
         by_name = dict(zip(st.choices, counts[k], strict=True))
@@ -155,7 +187,7 @@ def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) ->
         )
     return Plan(
         model=model,
-        cluster=cluster.to_dict(),
+        cluster=(mixed or cluster).to_dict(),
         strategy=st,
         mesh=(("pp", st.pp), ("dp", st.dp), *((("cp", st.cp),) if st.cp > 1 else ()), ("tp", st.tp)),
         crosses_nodes=st.dims.crossing(cluster.gpus_per_node),
@@ -164,7 +196,49 @@ def to_plan(model: str, pricer: Pricer, cand: Candidate, solve_time_s: float) ->
         solve_time_s=solve_time_s,
         optimality_gap=cand.gap,
         tensor_parallel=plan_tables(pricer.profiles, cluster, st),
+        node_groups=cand.node_groups,
     )
+
+
+def make_mixed_plan(
+    request: PlanRequest, profiles: ModelProfiles, *, progress: Progress | None = None
+) -> PlanResult:
+    """``make_plan`` on node groups (``planner.mixed``): the plan, its runners-up, and as
+    baselines the best plan on each group alone and on every GPU taken as the slowest group's."""
+    start, mixed = time.perf_counter(), request.cluster
+    if not isinstance(mixed, MixedCluster):
+        raise TypeError("make_mixed_plan plans for a MixedCluster")
+    base, ideal = profiles.base, replace(request, cluster=mixed.ideal())
+    check_constraints(request.constraints, ideal.one_type, blocks=base.blocks, heads=base.heads)
+    reserve = request.constraints.reserve_bytes
+    pricer = Pricer(profiles, ideal.one_type, dtype=request.dtype, reserve_bytes=reserve)
+    res = mixed_search(ideal, mixed, pricer, progress)
+    if not res.found:
+        raise InfeasibleError(
+            f"no plan fits on {mixed.describe()}: no placement of stages or replicas on the groups fits "
+            "their memory; add nodes, use a shorter --seq, or allow ZeRO-3 and full recompute"
+        )
+    best = replace(res.found[0], gap=res.gap)
+    plan = to_plan(request.model_name, pricer, best, time.perf_counter() - start, mixed=mixed)
+    validate_plan(
+        plan,
+        world_size=mixed.world_size,
+        layer_names=base.layer_names,
+        capacity_bytes=max(g.device.memory_bytes for g in mixed.groups),
+    )
+    alternatives = tuple(res.found[1:])
+    slowest = min(mixed.groups, key=lambda g: g.device.achievable_flops(request.dtype))
+    alone = {f"{g.name} nodes alone": g for g in mixed.groups}
+    alone[f"every GPU as {slowest.name}'s"] = replace(slowest, num_nodes=mixed.num_nodes)
+    hand: dict[str, Candidate | None] = {}
+    for name, cluster in alone.items():
+        try:
+            one = replace(request, cluster=cluster, time_limit_s=request.time_limit_s / 4)
+            found = search(one, Pricer(profiles, cluster, dtype=request.dtype, reserve_bytes=reserve)).found
+        except (InfeasibleError, StrategyError):
+            found = []
+        hand[name] = found[0] if found else None
+    return _result(plan, best, alternatives, hand, res, start)
 
 
 def _no_strategy(request: PlanRequest, *, blocks: int, heads: int | None, experts: int) -> InfeasibleError:

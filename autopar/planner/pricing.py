@@ -59,13 +59,23 @@ class Pricer:
     def terms(self, st: Strategy) -> Terms:
         """The linear terms of ``st``'s outer knobs (``cost_models.terms``)."""
         prof = self.profiles.at(st.rank_sequences)
+        units = self.units(st)
+        return build_terms(prof, self.cluster, st, units=units, reserve_bytes=self.reserve_bytes)
+
+    def units(self, st: Strategy, cluster: Cluster | None = None) -> Units:
+        """Each layer's unit terms for ``st`` on ``cluster`` (default this pricer's; a mixed
+        cluster's group ``view``: ``cost_models.mixed``), built once per what they depend on."""
+        cluster = cluster or self.cluster
         # what ``layer_units`` reads of the strategy (ep and skew: its all-to-alls, local experts
         # and the busiest rank's expert rows; the head's rank: its copy of a tied embedding)
         layout = (st.tp, st.sequence_parallel, st.tp_objective, st.micro_batch, st.policies, st.compile)
-        key = (*layout, st.ep, st.expert_skew, st.head_rank != 0, st.cp)
+        key: tuple[Any, ...] = (*layout, st.ep, st.expert_skew, st.head_rank != 0, st.cp)
+        if cluster is not self.cluster:  # a group's devices and links (views are made afresh)
+            key += (cluster.name, cluster.device.name, cluster.intra_node, cluster.inter_node)
         if key not in self._units:
-            self._units[key] = layer_units(prof, self.cluster, st, self.layouts(st))
-        return build_terms(prof, self.cluster, st, units=self._units[key], reserve_bytes=self.reserve_bytes)
+            prof = self.profiles.at(st.rank_sequences)
+            self._units[key] = layer_units(prof, cluster, st, self.layouts(st))
+        return self._units[key]
 
 
 __all__ = ["Pricer"]

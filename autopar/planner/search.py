@@ -54,6 +54,8 @@ class Candidate:
     strategy: Strategy
     estimate: Estimate
     gap: float
+    node_groups: tuple[str, ...] = ()
+    """On a mixed cluster, the group of each node rank (``Plan.node_groups``)."""
 
     def to_dict(self, best_s: float, band: float = 0.0) -> dict[str, Any]:
         """JSON-ready: the strategy (``Strategy.to_dict``, as in a Plan) and its predicted step
@@ -68,6 +70,7 @@ class Candidate:
             "fits": est.fits,
             "slower_by": est.step_time_s / best_s,
             "tied": est.step_time_s <= best_s * (1 + band),
+            **({"node_groups": list(self.node_groups)} if self.node_groups else {}),
         }
 
 
@@ -244,7 +247,7 @@ def outer_knobs(
                         request, tp=tp, pp=pp, dp=dp, zero=zero, ep=ep, cp=cp
                     )
                 )
-    return measured_first(request.cluster, out)
+    return measured_first(request.one_type, out)
 
 
 def measured_first(cluster: Cluster, knobs: list[dict[str, Any]]) -> list[dict[str, Any]]:

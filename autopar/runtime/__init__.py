@@ -36,6 +36,7 @@ from autopar.runtime.distributed import (
     DEFAULT_TIMEOUT_S,
     agree_on_plan,
     agree_on_rng,
+    check_node_groups,
     check_plan,
     check_runnable,
     groups_made,
@@ -105,6 +106,7 @@ def _place(
     """``parallelize``'s steps, in order."""
     check_plan(model, plan)
     agree_on_plan(plan)
+    check_node_groups(plan)
     st = plan.strategy
     on_meta = any(p.is_meta for p in model.parameters())
     half = compute_dtype(model, plan)

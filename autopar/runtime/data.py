@@ -47,14 +47,13 @@ class GlobalBatches:
 
     def local(self, step: int, pm: Any) -> torch.Tensor:
         """The rows of step ``step``'s batch that ``pm``'s data-parallel replica trains on."""
-        dp = pm.plan.strategy.dp
         if self.global_batch != pm.plan.strategy.global_batch:
             raise AutoparError(
                 f"the batches hold {self.global_batch} samples but the plan's global batch is "
                 f"{pm.plan.strategy.global_batch}; make them the same"
             )
-        share = self.global_batch // dp
-        return self.indices(step)[pm.dp_rank * share : (pm.dp_rank + 1) * share]
+        start, stop = pm.plan.strategy.replica_rows(pm.dp_rank)
+        return self.indices(step)[start:stop]
 
 
 __all__ = ["GlobalBatches"]

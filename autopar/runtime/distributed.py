@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import AutoparError
-from autopar.mesh import simulated
+from autopar.gpus import arch_of
+from autopar.mesh import node_of, simulated
 from autopar.plan import Plan
 from autopar.runtime.settle import settle_at_exit
 from autopar.strategy import Strategy
@@ -127,16 +128,20 @@ def agree_on_batch(batch: torch.Tensor, st: Strategy) -> None:
     every rank, not a hang in the other ranks' collectives."""
     if simulated():
         return
-    expected, dev = st.global_batch // st.dp, local_device()  # NCCL reduces device tensors only
+    dev = local_device()  # NCCL reduces device tensors only
     sizes = [torch.zeros(1, dtype=torch.long, device=dev) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, torch.tensor([batch.shape[0]], device=dev))
-    bad = [(rank, int(n)) for rank, n in enumerate(sizes) if int(n) != expected]
-    if bad:
-        rank, n = bad[0]
-        raise AutoparError(
-            f"rank {rank}'s batch has {n} sequences but the plan gives each of its {st.dp} "
-            f"data-parallel ranks {expected} (global batch {st.global_batch})"
-        )
+    for rank, n in enumerate(sizes):
+        replica = st.dims.coordinate(rank, "dp")
+        start, stop = st.replica_rows(replica)
+        if int(n) != stop - start:
+            each = (
+                f"each of its {st.dp} data-parallel ranks" if not st.dp_shares else f"its replica {replica}"
+            )
+            raise AutoparError(
+                f"rank {rank}'s batch has {int(n)} sequences but the plan gives {each} {stop - start} "
+                f"(global batch {st.global_batch})"
+            )
 
 
 def agree_on_rng(group: Any) -> None:
@@ -197,6 +202,49 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
             f"ZeRO-{st.zero} data parallelism (DDP) needs the model's weights, but its parameters are "
             "on the meta device: build it with real weights, or plan ZeRO-2/3 or a pipeline"
         )
+
+
+def node_group(plan: Plan, rank: int) -> dict[str, Any] | None:
+    """On a mixed cluster's plan, the node group (as ``Plan.cluster`` holds it) of ``rank``: its
+    node's (``Plan.node_groups``, ranks fill nodes in order); None on one type of node."""
+    if not plan.node_groups:
+        return None
+    groups = {g["name"]: g for g in plan.cluster["groups"]}
+    return groups[plan.node_groups[node_of(rank, plan.cluster["groups"][0]["gpus_per_node"])]]
+
+
+def placement_problem(plan: Plan, rank: int, device_name: str, memory_bytes: float) -> str | None:
+    """Why ``rank``'s device (its name and memory, as CUDA reports them) is not the one the plan
+    gives its node's group, or None: another GPU generation (``gpus.arch_of``), or a memory
+    more than a quarter off the group's (an A100 40GB where the plan says 80GB)."""
+    group = node_group(plan, rank)
+    if group is None:
+        return None
+    want = group["device"]
+    arch, have = arch_of(want["name"]), arch_of(device_name)
+    off = abs(memory_bytes - want["memory_bytes"]) > 0.25 * want["memory_bytes"]
+    if (arch and have and arch != have) or off:
+        nodes = [i for i, g in enumerate(plan.node_groups) if g == group["name"]]
+        return (
+            f"rank {rank} runs on a {device_name} ({memory_bytes / 1e9:.0f} GB) but the plan puts its node "
+            f"in group {group['name']} ({want['name']}); launch that group's nodes as node ranks {nodes} "
+            "(torchrun --node-rank)"
+        )
+    return None
+
+
+def check_node_groups(plan: Plan) -> None:
+    """Every rank's GPU is its node group's (``placement_problem``), checked on every rank at once
+    so that all of them stop with the first rank's reason. CUDA only (CPU ranks carry no type)."""
+    if not plan.node_groups or simulated() or not torch.cuda.is_available():
+        return
+    props = torch.cuda.get_device_properties(local_device())
+    mine = placement_problem(plan, dist.get_rank(), props.name, float(props.total_memory))
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    bad = [x for x in found if x]
+    if bad:
+        raise AutoparError(bad[0] + (f" ({len(bad)} ranks are misplaced)" if len(bad) > 1 else ""))
 
 
 def check_model(model: nn.Module, plan: Plan) -> None:

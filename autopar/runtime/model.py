@@ -136,7 +136,11 @@ class ParallelModel:
         total = torch.zeros((), dtype=torch.float64, device=dev)
         for loss in losses:
             total += loss.detach().double()
-        mean = total / max(1, len(losses))
+        # uneven shares (``Strategy.dp_shares``): each replica's sum over the mean count, so the
+        # replicas' average is the global batch's mean loss
+        mean = total / (
+            self.plan.strategy.micro_batches if self.plan.strategy.dp_shares else max(1, len(losses))
+        )
         # the step's expert counts ride on the same all-reduce (runtime.expert_load)
         both = torch.cat([mean.reshape(1), packed_counts(self._counts, self.counted, dev)])
         dist.all_reduce(both)  # SUM: gloo has no AVG

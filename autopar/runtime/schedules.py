@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autopar.errors import AutoparError
@@ -49,7 +50,9 @@ class Runner(Protocol):
 
 
 class LocalSchedule:
-    """pp = 1: the micro-batches in turn, each loss / m backward (gradients accumulate).
+    """pp = 1: the micro-batches in turn, each loss / m backward (gradients accumulate; m the mean
+    micro-batches per replica, so that replicas running uneven shares still average the global
+    batch: Σ_d Σ_i ∇loss_di / (dp · m) = Σ ∇loss / Σ shares).
 
     How gradients accumulate follows the ZeRO stage, as the cost model prices it
     (``cost_models.dp_overlap.dp_exposed_s``, ``terms.rank_memory_terms``): ZeRO 0–1 accumulate whole
@@ -82,8 +85,9 @@ class LocalSchedule:
 
     def step(self, runner: Runner, batch: torch.Tensor) -> list[torch.Tensor]:
         losses = []
-        for i, micro in enumerate(batch.split(self.micro_batch)):
-            with self._sync(i == self.micro_batches - 1), runner.precision():
+        micros = batch.split(self.micro_batch)  # this replica's count (``Strategy.dp_shares``)
+        for i, micro in enumerate(micros):
+            with self._sync(i == len(micros) - 1), runner.precision():
                 loss = self._loss(runner, micro)
                 if loss.dim() != 0:
                     raise AutoparError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
@@ -158,7 +162,8 @@ def apply_schedule(
         drop_input_grads(pipe)
     cls = getattr(pipelining, SCHEDULES[st.schedule])
     local = pipes if st.schedule in MULTI_CHUNK else pipes[0]
-    schedule = cls(local, st.micro_batches, loss_fn=loss_fn, scale_grads=False)
+    replica = st.dims.coordinate(dist.get_rank(), "dp") if dist.is_initialized() else 0
+    schedule = cls(local, st.replica_micro_batches(replica), loss_fn=loss_fn, scale_grads=False)
     if simulated():  # its peers can't vote: the shapes are given (``_static_shapes``)
         schedule._warmup_p2p = _static_mode
     params = [p for stage in stages.modules.values() for p in stage.parameters()]

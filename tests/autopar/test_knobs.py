@@ -15,7 +15,7 @@ from autopar.errors import AutoparError, StrategyError
 from autopar.knobs import constraint_fields, constraint_problem, field_problem, knob, knobs
 from autopar.strategy import Strategy
 
-RESULTS = {"layout", "policies"}  # what the planner decides about a plan, not a knob
+RESULTS = {"layout", "policies", "dp_shares"}  # what the planner decides about a plan, not a knob
 
 
 def test_every_strategy_field_is_a_declared_knob() -> None:

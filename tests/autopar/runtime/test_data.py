@@ -9,12 +9,11 @@ import torch
 
 from autopar.errors import AutoparError
 from autopar.runtime.data import GlobalBatches
+from autopar.strategy import Strategy
 
 
 def _pm(dp: int, rank: int, batch: int = 6) -> SimpleNamespace:
-    return SimpleNamespace(
-        plan=SimpleNamespace(strategy=SimpleNamespace(dp=dp, global_batch=batch)), dp_rank=rank
-    )
+    return SimpleNamespace(plan=SimpleNamespace(strategy=Strategy(dp=dp, global_batch=batch)), dp_rank=rank)
 
 
 def test_every_sample_once_per_epoch_and_the_same_rows_on_any_world() -> None:
