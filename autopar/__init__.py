@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from autopar.cluster import Cluster, DeviceSpec, LinkSpec
     from autopar.errors import AutoparError, CaptureError, ClusterSpecError, InfeasibleError, ModelSpecError
     from autopar.graph import CapturedModel, capture
+    from autopar.groups import MixedCluster
     from autopar.monitor import Metrics
     from autopar.plan import Plan
     from autopar.request import Constraints, PlanRequest
@@ -41,6 +42,7 @@ _HOME = {
     "ModelSpecError": "autopar.errors",
     "CapturedModel": "autopar.graph",
     "capture": "autopar.graph",
+    "MixedCluster": "autopar.groups",
     "Metrics": "autopar.monitor",
     "Plan": "autopar.plan",
     "Constraints": "autopar.request",
@@ -92,6 +94,7 @@ __all__ = [
     "InfeasibleError",
     "LinkSpec",
     "Metrics",
+    "MixedCluster",
     "ModelSpecError",
     "ParallelModel",
     "Plan",

@@ -59,6 +59,7 @@ from autopar.adapt.policy import (
 from autopar.cluster import Cluster
 from autopar.cost_models.switch import state_bytes, switch_time_s
 from autopar.errors import AutoparError
+from autopar.groups import MixedCluster
 from autopar.measure.disk import CheckpointCost
 from autopar.measurements import CommProfile
 from autopar.monitor.metrics import Metrics, peak_memory_bytes
@@ -101,6 +102,10 @@ class Adaptive:
         ``peak_bytes``: this rank's peak memory (default the allocator's peak, or RSS);
         ``on_switch(pm)``: called on every rank after a switch with the new ParallelModel (what
         holds the old optimizer, an LR scheduler, is rebuilt there)."""
+        if isinstance(start, MixedCluster) or (isinstance(start, Plan) and "groups" in start.cluster):
+            raise AutoparError(
+                "Adaptive re-plans one type of node; train node groups with autopar.parallelize"
+            )
         self.timeout_s = init_distributed(timeout_s)
         self.config = config or AdaptConfig()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

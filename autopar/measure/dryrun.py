@@ -230,8 +230,8 @@ def dry_run(make_model: Callable[[], nn.Module], plan: Plan, rank: int, *, steps
             what = "applying the plan (capture, passes, sharding, schedule, optimizer)"
             pm = parallelize(model, plan)
             st = plan.strategy
-            start, stop = st.replica_rows(pm.dp_rank)
-            batch = torch.randint(0, 2, (stop - start, st.seq))
+            first, last = st.replica_rows(pm.dp_rank)
+            batch = torch.randint(0, 2, (last - first, st.seq))
             what = "making the optimizer's state"
             make_optimizer_state(pm)
             for step in range(1, steps):

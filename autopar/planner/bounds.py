@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from itertools import combinations
 
 from autopar.cost_models.dp_overlap import dp_exposed_s
@@ -74,6 +75,11 @@ def lower_bound_s(problem: LayoutProblem) -> float:
     rank's count, ``fixed_rank_blocks``, the slowest rank's blocks and edges without recompute),
     no DP traffic, and only as much recompute as memory forces (blocks that no rank can hold
     without it pay the cheapest recompute)."""
+    return _step_s(problem.terms, problem.blocks, problem.allowed, lower_stage_s(problem))
+
+
+def lower_stage_s(problem: LayoutProblem) -> float:
+    """``lower_bound_s``'s slowest stage (a micro-batch)."""
     terms, blocks, capacity, allowed = problem.terms, problem.blocks, problem.capacity, problem.allowed
     st = terms.strategy
     u = terms.block["none"]
@@ -87,7 +93,7 @@ def lower_bound_s(problem: LayoutProblem) -> float:
     fixed = fixed_rank_blocks(st, blocks)
     if fixed:  # a deep interleaved pipeline: each rank's count is the even split's
         stage_s = max(stage_s, *(n * u.time_s + _edge_s(terms, k) for k, n in enumerate(fixed)))
-    return _step_s(terms, blocks, allowed, stage_s)
+    return stage_s
 
 
 def fastest_mix_s(points: list[tuple[float, float]], budget_per_block: float) -> float:
@@ -100,19 +106,21 @@ def fastest_mix_s(points: list[tuple[float, float]], budget_per_block: float) ->
     return best
 
 
-def stage_bound_s(problem: LayoutProblem) -> float:
+def stage_bound_s(problem: LayoutProblem, ranks: Sequence[tuple[Terms, float]] | None = None) -> float:
     """The slowest stage (a micro-batch) of the best layout when each rank's blocks are priced
-    by the fastest recompute mix its own memory allows (module docstring); inf if none fits."""
-    terms, blocks, capacity, allowed = problem.terms, problem.blocks, problem.capacity, problem.allowed
-    st = terms.strategy
+    by the fastest recompute mix its own memory allows (module docstring); inf if none fits.
+    ``ranks``: each pipeline rank's own terms and memory (a mixed cluster's devices), else the
+    problem's for every rank."""
+    blocks, allowed, st = problem.blocks, problem.allowed, problem.strategy
+    ranks = ranks or [(problem.terms, problem.capacity)] * st.pp
 
     def rank_s(k: int, n: int) -> float:
         if n == 0:
-            return _edge_s(terms, k)
-        return _edge_s(terms, k) + n * fastest_mix_s(points[k], budgets[k] / n)
+            return _edge_s(ranks[k][0], k)
+        return _edge_s(ranks[k][0], k) + n * fastest_mix_s(points[k], budgets[k] / n)
 
-    points = [[(block_bytes(terms, k, r), terms.block[r].time_s) for r in allowed] for k in range(st.pp)]
-    budgets = rank_budgets_bytes(terms, capacity)
+    points = [[(block_bytes(t, k, r), t.block[r].time_s) for r in allowed] for k, (t, _) in enumerate(ranks)]
+    budgets = [rank_budgets_bytes(t, cap)[k] for k, (t, cap) in enumerate(ranks)]
     counts = fixed_rank_blocks(st, blocks) or [st.min_rank_blocks(k) for k in range(st.pp)]
     slowest = max(rank_s(k, n) for k, n in enumerate(counts))
     if fixed_rank_blocks(st, blocks) is None:
@@ -127,10 +135,31 @@ def stage_bound_s(problem: LayoutProblem) -> float:
     return slowest
 
 
+def outside_pipeline_s(problem: LayoutProblem) -> float:
+    """The part of ``tight_bound_s`` outside the pipeline's rounds: the average rank's optimizer
+    step and exposed DP/ZeRO communication (``_step_s`` less its rounds)."""
+    terms = problem.terms
+    rounds = problem.strategy.micro_batches + terms.bubble_rounds
+    return _step_s(terms, problem.blocks, problem.allowed, 0.0) - rounds * terms.p2p_s
+
+
+def tight_stage_s(problem: LayoutProblem) -> float:
+    """The slowest stage ``tight_bound_s`` takes: the higher of the two bounds'."""
+    return max(lower_stage_s(problem), stage_bound_s(problem))
+
+
 def tight_bound_s(problem: LayoutProblem) -> float:
-    """``lower_bound_s`` with the slowest stage of ``stage_bound_s`` where that is higher."""
-    slowest = _step_s(problem.terms, problem.blocks, problem.allowed, stage_bound_s(problem))
-    return max(lower_bound_s(problem), slowest)
+    """``lower_bound_s`` with the slowest stage of ``stage_bound_s`` where that is higher (the
+    step grows with the slowest stage: one ``_step_s`` of the higher one)."""
+    return _step_s(problem.terms, problem.blocks, problem.allowed, tight_stage_s(problem))
 
 
-__all__ = ["fastest_mix_s", "lower_bound_s", "stage_bound_s", "tight_bound_s"]
+__all__ = [
+    "fastest_mix_s",
+    "lower_bound_s",
+    "lower_stage_s",
+    "outside_pipeline_s",
+    "stage_bound_s",
+    "tight_bound_s",
+    "tight_stage_s",
+]

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-from autopar.cost_models.mixed import mixed_estimate, replica_classes
+from autopar.cost_models.mixed import ReplicaClass, mixed_estimate, replica_classes
 from autopar.errors import StrategyError
 from autopar.groups import MixedCluster
-from autopar.planner.bounds import tight_bound_s
+from autopar.planner.bounds import outside_pipeline_s, stage_bound_s, tight_bound_s
 from autopar.planner.layout_ilp import LayoutProblem, solve_layout
 from autopar.planner.pricing import Pricer
 from autopar.planner.search import SOLVING, Candidate, Progress, SearchResult, _candidates, _priced, _quiet
@@ -82,53 +83,70 @@ def balanced_shares(times_s: list[float], replicas: list[int], total: int) -> li
     return found[:2]
 
 
-def _placements(
-    pricer: Pricer, mixed: MixedCluster, st: Strategy
-) -> Iterator[tuple[Strategy, tuple[str, ...]]]:
-    """Every (strategy, node groups) to try for the outer choice ``st``."""
-    for nodes in stage_placements(mixed, st):
-        yield st, nodes
+Placed = tuple[float, Strategy, tuple[str, ...], tuple[ReplicaClass, ...]]
+"""A placement of an outer choice: its bound, strategy (with its shares), node groups, classes."""
+
+
+def _placements(pricer: Pricer, mixed: MixedCluster, problem: LayoutProblem, cap: float) -> list[Placed]:
+    """Every placement to try for the outer choice of ``problem`` with its bound, best first:
+    stages on groups in every order, replicas on groups with even and with balanced shares."""
+    st, prof = problem.strategy, pricer.profiles.at(problem.strategy.rank_sequences)
+
+    def classes(s: Strategy, nodes: tuple[str, ...]) -> tuple[ReplicaClass, ...]:
+        return replica_classes(
+            prof,
+            mixed,
+            s,
+            nodes,
+            reserve_bytes=pricer.reserve_bytes,
+            tp_layout=pricer.layouts(s),
+            units=pricer.units,
+        )
+
+    tries = [(st, nodes) for nodes in stage_placements(mixed, st)]
     for nodes in replica_placements(mixed, st):
-        yield st, nodes  # even shares (ZeRO-2/3 run only these)
+        tries.append((st, nodes))  # even shares (ZeRO-2/3 run only these)
         per_replica = st.world_size // st.dp
         counts = [g.world_size // per_replica for g in mixed.groups]
-        prof = pricer.profiles.at(st.rank_sequences)
-        times = [
-            c.terms[0].block["none"].time_s
-            for c in replica_classes(prof, mixed, st, nodes, tp_layout=pricer.layouts(st), units=pricer.units)
-        ]
+        times = [c.terms[0].block["none"].time_s for c in classes(st, nodes)]
         if len(times) != len(mixed.groups):
             continue
         for shares in balanced_shares(times, counts, st.global_batch // st.micro_batch):
             per = tuple(m for m, n in zip(shares, counts, strict=True) for _ in range(n))
-            if len(set(per)) > 1:
-                try:
-                    yield replace(st, dp_shares=per), nodes
-                except StrategyError:
-                    continue
+            try:
+                tries.append((replace(st, dp_shares=per), nodes))
+            except StrategyError:
+                continue  # shares this strategy can't run (ZeRO-2/3, cp, ep)
+    rest = outside_pipeline_s(problem)
+    placed = []
+    for s, nodes in tries:
+        found = classes(s, nodes)
+        placed.append((_placed_bound_s(problem, found, cap) + rest, s, nodes, found))
+    return sorted(placed, key=lambda x: x[0])
 
 
-def slower_blocks_s(pricer: Pricer, mixed: MixedCluster, problem: LayoutProblem) -> float:
-    """What the groups' slower devices add at least to a bound on ``mixed.ideal()``: the blocks'
-    m micro-batches of work W = m·L·u (u a block's time on the ideal device) are done by N GPUs
-    of which group g's N_g take r_g = u_g / u times as long per block, so the slowest pipeline
-    (stages on groups, or replicas on groups with any shares) takes at least W/N · F,
-    F = N / Σ_g (N_g / r_g); the ideal bound counted W/N. The embedding and head stay at the
-    ideal's speed, so the sum remains a bound."""
-    st, terms = problem.strategy, problem.terms
-    u = terms.block["none"].time_s
-    slow = [pricer.units(st, mixed.view(g))[0]["none"].time_s / u for g in range(len(mixed.groups))]
-    factor = mixed.world_size / sum(
-        g.world_size / max(1.0, r) for g, r in zip(mixed.groups, slow, strict=True)
-    )
-    return (factor - 1) * st.micro_batches * problem.blocks * u / st.pp
+def _placed_bound_s(problem: LayoutProblem, classes: tuple[ReplicaClass, ...], cap: float) -> float:
+    """A placement's slowest pipeline at best: per class of replicas, its rounds times the
+    slowest stage of ``bounds.stage_bound_s`` with each rank on its own device and memory (each
+    class laid out on its own: a relaxation of the one layout every replica shares)."""
+    worst = 0.0
+    for c in classes:
+        ranks = [(t, min(m, cap)) for t, m in zip(c.terms, c.capacity, strict=True)]
+        rounds = c.micro_batches + c.terms[0].bubble_rounds
+        worst = max(worst, rounds * (stage_bound_s(problem, ranks) + c.p2p_s))
+    return worst
 
 
 def mixed_search(
     request: PlanRequest, mixed: MixedCluster, pricer: Pricer, progress: Progress | None = None
 ) -> SearchResult:
-    """Branch and bound over outer choices (bounds on ``mixed.ideal()``, which ``pricer``
-    prices), each placed every way ``_placements`` allows and laid out by the layout ILP."""
+    """Branch and bound over outer choices: first by their bounds on ``mixed.ideal()`` (which
+    ``pricer`` prices; no placement runs faster), then by their placements' own bounds
+    (``_placements``), each placement that can still win laid out by the layout ILP.
+
+    The part of a bound outside the pipeline (optimizer, exposed DP) is the ideal cluster's
+    (``bounds.outside_pipeline_s``): a slower group's longer backward could hide a little more DP
+    traffic than that assumes, so on node groups the proof holds up to that overlap."""
     start, progress = time.perf_counter(), progress or _quiet
     allowed, knobs = _candidates(request, pricer)
     lean = request.constraints.tp_objective is None
@@ -136,11 +154,12 @@ def mixed_search(
     bounded, _, outer = _priced(pricer, knobs, request.capacity_bytes, allowed, progress, lean=lean)
     found: list[Candidate] = []
     ilps = visited = 0
-    heap = [(bound, i, False) for i, (bound, _) in enumerate(bounded)]
+    heap: list[tuple[float, int, int]] = [(bound, i, 0) for i, (bound, _) in enumerate(bounded)]
     heapq.heapify(heap)
+    placements: dict[int, list[Placed]] = {}
     unproven = float("inf")  # the lowest bound left when the time ran out
     while heap:
-        bound, i, tight = heapq.heappop(heap)
+        bound, i, state = heapq.heappop(heap)  # state 0: cheap bound, 1: tight, 2: placed
         k = request.proven_runners_up
         if len(found) > k and bound >= found[k].estimate.step_time_s:
             break  # no remaining outer choice can beat the best plan (or its k-th runner-up)
@@ -148,20 +167,25 @@ def mixed_search(
             unproven = bound  # out of time: the best so far, its gap against what is left
             break
         problem = bounded[i][1]
-        if not tight:
-            heapq.heappush(heap, (tight_bound_s(problem) + slower_blocks_s(pricer, mixed, problem), i, True))
+        if state < 2:
+            if state == 0:
+                later = tight_bound_s(problem)
+            else:
+                placements[i] = _placements(pricer, mixed, problem, cap)
+                later = placements[i][0][0] if placements[i] else math.inf
+            heapq.heappush(heap, (max(bound, later), i, state + 1))
             continue
         visited += 1
         progress(visited, len(bounded), SOLVING)
-        remaining = request.time_limit_s - (time.perf_counter() - start)
-        for st, nodes in _placements(pricer, mixed, problem.strategy):
+        for placed_bound, st, nodes, classes in placements.pop(i):
+            if len(found) > k and placed_bound >= found[k].estimate.step_time_s:
+                break
             ilps += 1
-            cand = _solve(
-                pricer, mixed, problem, st, nodes, cap, max(0.1, min(remaining, request.time_limit_s / 20))
-            )
-            if cand is not None:
+            remaining = request.time_limit_s - (time.perf_counter() - start)
+            limit = max(0.1, min(remaining, request.time_limit_s / 20))
+            if (cand := _solve(pricer, mixed, problem, st, nodes, classes, cap, limit)) is not None:
                 found.append(cand)
-        found.sort(key=lambda x: x.estimate.step_time_s)
+                found.sort(key=lambda x: x.estimate.step_time_s)
     progress(len(bounded), len(bounded), SOLVING)
     best = found[0].estimate.step_time_s if found else unproven
     gap = max(0.0, (best - unproven) / best, *(c.gap for c in found[:1]))
@@ -174,18 +198,17 @@ def _solve(
     problem: LayoutProblem,
     st: Strategy,
     nodes: tuple[str, ...],
+    classes: tuple[ReplicaClass, ...],
     cap: float,
     time_limit_s: float,
 ) -> Candidate | None:
-    """The layout ILP of ``st`` placed by ``nodes``, and its estimate (None: nothing fits)."""
+    """The layout ILP of ``st`` placed by ``nodes`` (its ``classes``), and its estimate (None:
+    nothing fits)."""
     prof, layout = pricer.profiles.at(st.rank_sequences), pricer.layouts(st)
-    reserve = pricer.reserve_bytes
-    classes = replica_classes(
-        prof, mixed, st, nodes, reserve_bytes=reserve, tp_layout=layout, units=pricer.units
-    )
     terms = replace(classes[0].terms[0], strategy=st)
-    placed = LayoutProblem(terms, problem.blocks, cap, problem.allowed, classes)
-    solved = solve_layout(placed, time_limit=time_limit_s)
+    solved = solve_layout(
+        LayoutProblem(terms, problem.blocks, cap, problem.allowed, classes), time_limit=time_limit_s
+    )
     if solved is None:
         return None
     counts, gap = solved
@@ -197,7 +220,7 @@ def _solve(
     except StrategyError:
         return None  # a share count the schedule refuses (e.g. interleaving's multiple of pp)
     est = mixed_estimate(
-        prof, mixed, chosen, nodes, reserve_bytes=reserve, tp_layout=layout, units=pricer.units
+        prof, mixed, chosen, nodes, reserve_bytes=pricer.reserve_bytes, tp_layout=layout, units=pricer.units
     )
     return Candidate(strategy=chosen, estimate=est, gap=gap, node_groups=nodes) if est.fits else None
 

@@ -236,3 +236,20 @@ def test_the_links_are_probed_only_where_ranks_pair_up() -> None:
     assert probe_problem(2, 2) is None and probe_problem(16, 8) is None and probe_problem(8, 8) is None
     assert "even count" in str(probe_problem(3, 3)) and "even count" in str(probe_problem(24, 8))
     assert probe_problem(1, 1) == "one rank has no links"
+
+
+def test_node_groups_are_refused_in_one_line() -> None:
+    """Adaptive re-plans on one type of node: a mixed cluster (or its plan) is refused before any
+    process group is made."""
+    from autopar.adapt import Adaptive
+    from autopar.groups import MixedCluster
+
+    one = Cluster.preset("cpu", gpus_per_node=1)
+    mixed = MixedCluster(
+        name="m",
+        groups=(dataclasses.replace(one, name="a"), dataclasses.replace(one, name="b")),
+        between=one.inter_node,
+    )
+    with pytest.raises(AutoparError, match="one type of node") as e:
+        Adaptive(lambda: torch.nn.Linear(1, 1), mixed, steps=1, global_batch=2, seq=8)
+    assert "\n" not in str(e.value)

@@ -91,6 +91,7 @@ def test_a_simulated_step_counts_what_zero3_gathers() -> None:
     plan = _plan(tp=2, pp=1, dp=2, zero=3)
     run = dry_run(make_gpt, plan, 0)
     assert run.ok, run.failure
+    assert 0 < run.seconds < 120  # this rank's wall time, not a clock reading
     units, micro = 4 + 1, plan.strategy.micro_batches  # blocks, then the root
     assert run.collectives["allgather_base over dp"][0] == 2 * units * micro
     assert run.collectives["reduce_scatter_base over dp"][0] == units * micro

@@ -16,7 +16,7 @@ from autopar.cost_models.mixed import mixed_estimate
 from autopar.errors import StrategyError
 from autopar.groups import MixedCluster
 from autopar.planner import ModelProfiles, make_plan
-from autopar.planner.layout_ilp import MIP_GAP
+from autopar.planner.layout_ilp import MIP_GAP, LayoutProblem
 from autopar.planner.mixed import _placements, balanced_shares, replica_placements, stage_placements
 from autopar.planner.pricing import Pricer
 from autopar.planner.search import outer_strategies
@@ -65,7 +65,8 @@ def brute_force(profiles, mixed: MixedCluster, *, batch: int, c: Constraints) ->
     best = math.inf
     for v in (v for s in space for v in pricer.layouts.variants(s)):
         prof = profiles.at(v.micro_batch)
-        for st, nodes in _placements(pricer, mixed, v):
+        problem = LayoutProblem(pricer.terms(v), LAYERS, cap, c.recompute)
+        for _, st, nodes, _ in _placements(pricer, mixed, problem, cap):
             for layout in _layouts(LAYERS, st, c.recompute, st.choices):
                 chosen = replace(st, layout=layout)
                 try:
