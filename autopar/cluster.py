@@ -35,7 +35,6 @@ from autopar.spec_fields import (
     require,
     string,
 )
-from autopar.units import parse_quantity
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 
@@ -207,14 +206,14 @@ class Cluster:
                         device.get("overlap_slowdown", OVERLAP_SLOWDOWN), "device.overlap_slowdown"
                     ),
                 ),
-                intra_node=_link(require(data, "intra_node", ""), "intra_node"),
-                inter_node=_link(require(data, "inter_node", ""), "inter_node"),
+                intra_node=link_spec(require(data, "intra_node", ""), "intra_node"),
+                inter_node=link_spec(require(data, "inter_node", ""), "inter_node"),
                 compute_profile=_profile(data.get("compute_profile"), load_compute, ComputeProfile),
                 comm_profile=_profile(data.get("comm_profile"), load_comm, CommProfile),
             )
         except ClusterSpecError:
             raise
-        except ValueError as e:  # from parse_quantity: already names the field
+        except ValueError as e:  # from a quantity's parse: already names the field
             raise ClusterSpecError(str(e)) from None
 
     @classmethod
@@ -294,11 +293,12 @@ _DEVICE_FIELDS = {f.name for f in dataclasses.fields(DeviceSpec)}
 _LINK_FIELDS = {f.name for f in dataclasses.fields(LinkSpec)}
 
 
-def _link(x: object, field: str) -> LinkSpec:
+def link_spec(x: object, field: str) -> LinkSpec:
+    """A link as a YAML mapping gives it (``field``: where, for the one-line errors)."""
     d = mapping(x, field)
     reject_unknown(d, _LINK_FIELDS, f"{field}.")
     bw = quantity(d, "bandwidth_bytes_per_s", "bytes_per_s", f"{field}.", "400 GB/s")
-    lat = parse_quantity(require(d, "latency_s", f"{field}."), "seconds", f"{field}.latency_s")
+    lat = quantity(d, "latency_s", "seconds", f"{field}.", "10 us")
     try:
         return LinkSpec(bandwidth_bytes_per_s=bw, latency_s=lat)
     except ClusterSpecError as e:
@@ -479,4 +479,4 @@ def preset_names() -> list[str]:
     return list(PRESETS)
 
 
-__all__ = ["PRESETS", "Cluster", "DeviceSpec", "LinkSpec", "preset_names"]
+__all__ = ["PRESETS", "Cluster", "DeviceSpec", "LinkSpec", "link_spec", "preset_names"]

@@ -25,9 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.cluster import DTYPES, Cluster, DeviceSpec, LinkSpec
+from autopar.cluster import DTYPES, Cluster, DeviceSpec, LinkSpec, link_spec
 from autopar.errors import ClusterSpecError
-from autopar.spec_fields import mapping, quantity, read_yaml, reject_unknown, require, string
+from autopar.spec_fields import mapping, read_yaml, reject_unknown, require, string
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +141,7 @@ class MixedCluster:
             except ClusterSpecError as e:
                 raise ClusterSpecError(f"groups.{entry['name']}: {e}") from None
         between = data.get("between")
-        link = slower(*(g.inter_node for g in groups)) if between is None else _link(between)
+        link = slower(*(g.inter_node for g in groups)) if between is None else link_spec(between, "between")
         return cls(name=string(data.get("name", "mixed"), "name"), groups=tuple(groups), between=link)
 
     @classmethod
@@ -187,13 +187,6 @@ def slower(*links: LinkSpec) -> LinkSpec:
     )
 
 
-def cluster_from_dict(data: Mapping[str, Any]) -> AnyCluster:
-    """A cluster dict as a plan stores it: node groups where it has ``groups``."""
-    if isinstance(data, Mapping) and "groups" in data:
-        return MixedCluster.from_dict(data)
-    return Cluster.from_dict(data)
-
-
 def load_cluster(spec: str, *, nodes: int | None = None, gpus_per_node: int | None = None) -> AnyCluster:
     """The CLI's CLUSTER argument: a preset, a YAML file, or a YAML file of node groups."""
     if spec.endswith((".yaml", ".yml")) and os.path.isfile(spec):
@@ -222,21 +215,9 @@ def load_one_type(
     return cluster
 
 
-def _link(x: object) -> LinkSpec:
-    d = mapping(x, "between")
-    reject_unknown(d, {"bandwidth_bytes_per_s", "latency_s"}, "between.")
-    bw = quantity(d, "bandwidth_bytes_per_s", "bytes_per_s", "between.", "200 GB/s")
-    lat = quantity(d, "latency_s", "seconds", "between.", "10 us")
-    try:
-        return LinkSpec(bandwidth_bytes_per_s=bw, latency_s=lat)
-    except ClusterSpecError as e:
-        raise ClusterSpecError(f"between.{e}") from None
-
-
 __all__ = [
     "AnyCluster",
     "MixedCluster",
-    "cluster_from_dict",
     "faster",
     "load_cluster",
     "load_one_type",

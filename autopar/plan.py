@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import re
 from dataclasses import dataclass, field, fields
@@ -274,13 +275,9 @@ def cluster_title(cluster: dict[str, Any]) -> str:
 
 def _ranges(items: list[int]) -> str:
     """``0–3, 6`` for [0, 1, 2, 3, 6]."""
-    out: list[str] = []
-    for i in items:
-        if out and out[-1].split("–")[-1] == str(i - 1):
-            out[-1] = f"{out[-1].split('–')[0]}–{i}"
-        else:
-            out.append(str(i))
-    return ", ".join(out)
+    # consecutive items keep the same difference from their position
+    runs = [[i for _, i in run] for _, run in itertools.groupby(enumerate(items), key=lambda x: x[1] - x[0])]
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}–{r[-1]}" for r in runs)
 
 
 def _group_lines(node_groups: tuple[str, ...], predicted: dict[str, Any]) -> list[str]:

@@ -137,13 +137,15 @@ def mixed_estimate(
     reserve_bytes: float | None = None,
     tp_layout: TPLayout | None = None,
     units: Callable[[Strategy, Cluster], Units] | None = None,
+    classes: tuple[ReplicaClass, ...] | None = None,
 ) -> Estimate:
     """Price ``st`` placed by ``node_groups`` on ``mixed`` (module doc; ``units`` as
-    ``replica_classes``')."""
+    ``replica_classes``'; ``classes``: its replica classes where the caller has them: the terms
+    don't depend on the layout)."""
     check_strategy(
         st, world_size=mixed.world_size, blocks=profile.blocks, heads=profile.heads, experts=profile.experts
     )
-    classes = replica_classes(
+    classes = classes or replica_classes(
         profile, mixed, st, node_groups, reserve_bytes=reserve_bytes, tp_layout=tp_layout, units=units
     )
     counts = st.blocks_per_rank(profile.blocks)

@@ -103,25 +103,23 @@ def _placements(pricer: Pricer, mixed: MixedCluster, problem: LayoutProblem, cap
             units=pricer.units,
         )
 
-    tries = [(st, nodes) for nodes in stage_placements(mixed, st)]
+    tries = [(st, nodes, classes(st, nodes)) for nodes in stage_placements(mixed, st)]
     for nodes in replica_placements(mixed, st):
-        tries.append((st, nodes))  # even shares (ZeRO-2/3 run only these)
-        per_replica = st.world_size // st.dp
-        counts = [g.world_size // per_replica for g in mixed.groups]
-        times = [c.terms[0].block["none"].time_s for c in classes(st, nodes)]
-        if len(times) != len(mixed.groups):
-            continue
+        even = classes(st, nodes)
+        tries.append((st, nodes, even))  # even shares (ZeRO-2/3 run only these)
+        counts = [g.world_size // (st.world_size // st.dp) for g in mixed.groups]  # replicas per group
+        times = [c.terms[0].block["none"].time_s for c in even]  # one class per group
         for shares in balanced_shares(times, counts, st.global_batch // st.micro_batch):
             per = tuple(m for m, n in zip(shares, counts, strict=True) for _ in range(n))
+            if len(set(per)) == 1:
+                continue  # the even shares, tried above
             try:
-                tries.append((replace(st, dp_shares=per), nodes))
+                uneven = replace(st, dp_shares=per)
             except StrategyError:
                 continue  # shares this strategy can't run (ZeRO-2/3, cp, ep)
+            tries.append((uneven, nodes, classes(uneven, nodes)))
     rest = outside_pipeline_s(problem)
-    placed = []
-    for s, nodes in tries:
-        found = classes(s, nodes)
-        placed.append((_placed_bound_s(problem, found, cap) + rest, s, nodes, found))
+    placed = [(_placed_bound_s(problem, found, cap) + rest, s, nodes, found) for s, nodes, found in tries]
     return sorted(placed, key=lambda x: x[0])
 
 
@@ -204,7 +202,7 @@ def _solve(
 ) -> Candidate | None:
     """The layout ILP of ``st`` placed by ``nodes`` (its ``classes``), and its estimate (None:
     nothing fits)."""
-    prof, layout = pricer.profiles.at(st.rank_sequences), pricer.layouts(st)
+    prof = pricer.profiles.at(st.rank_sequences)
     terms = replace(classes[0].terms[0], strategy=st)
     solved = solve_layout(
         LayoutProblem(terms, problem.blocks, cap, problem.allowed, classes), time_limit=time_limit_s
@@ -219,9 +217,7 @@ def _solve(
         )
     except StrategyError:
         return None  # a share count the schedule refuses (e.g. interleaving's multiple of pp)
-    est = mixed_estimate(
-        prof, mixed, chosen, nodes, reserve_bytes=pricer.reserve_bytes, tp_layout=layout, units=pricer.units
-    )
+    est = mixed_estimate(prof, mixed, chosen, nodes, classes=classes)
     return Candidate(strategy=chosen, estimate=est, gap=gap, node_groups=nodes) if est.fits else None
 
 
